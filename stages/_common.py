@@ -1,0 +1,71 @@
+"""What every stage shares: its declared params, logging, and the run-by-hand switch.
+
+A stage sees only the params dvc.yaml declares for it (`dvc.api.params_show(stages=[name])`), and
+`StageParams.check_all_read()` fails if a declared key was never read, so dvc.yaml and the code cannot
+drift apart (a stale declaration would re-run a stage for nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class StageParams:
+    def __init__(self, stage: str, values: dict):
+        self.stage, self._values, self._read = stage, values, set()
+        self._declared = set(_flatten(values))
+
+    def __getitem__(self, key: str):
+        node = self._values
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise KeyError(f"stage {self.stage}: param '{key}' is not declared for it in dvc.yaml")
+            node = node[part]
+        self._read.update(k for k in self._declared if k == key or k.startswith(key + "."))
+        return node
+
+    def get(self, key: str, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def check_all_read(self) -> None:
+        unread = sorted(self._declared - self._read)
+        if unread:
+            raise RuntimeError(f"stage {self.stage}: declared params never read (remove from dvc.yaml): {unread}")
+
+
+def _flatten(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            yield from _flatten(v, key + ".")
+        else:
+            yield key
+
+
+def stage_params(stage: str | None = None) -> StageParams:
+    import dvc.api
+
+    stage = stage or os.environ.get("DVC_STAGE")
+    if not stage:
+        raise SystemExit("run through `dvc repro`, or pass --stage NAME (e.g. --stage train@clip)")
+    return StageParams(stage, dvc.api.params_show(stages=[stage], repo=str(ROOT)))
+
+
+def stage_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--stage", default=None, help="stage name when run outside dvc (default: $DVC_STAGE)")
+    return p
+
+
+def setup_logging(stage: str) -> logging.Logger:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{stage}] %(message)s", datefmt="%H:%M:%S")
+    return logging.getLogger(stage)
