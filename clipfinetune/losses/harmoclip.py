@@ -1,0 +1,142 @@
+"""HarmoCLIP (Zeng et al., arXiv 2511.22594): global contrast + lexeme-region contrast + global-region alignment.
+
+    L = L_GC + lambda_lrc * L_LRC + lambda_gr * L_GR                                              # eq. (9)
+
+The paper writes eq. (9) with unit weights; lambda_lrc and lambda_gr (default 1) are ours, for the ablations.
+The authors' code could not be read (METHODS.md §1.1), so everything below that the paper leaves open is our
+decision:
+
+* **Lexeme feature l_i (eqs. 3-4).** The paper takes the word's hidden state "without the final projection".
+  Eq. (7) needs l_i and the region feature r_i in one space, and r_i comes out of the image head (MaskCLIP
+  last block + ln_post + proj, then RoIAlign), so we keep the text projection: l_i is built from the
+  *projected* token states (ln_final -> text_projection; FSC-CLIP's convention, METHODS.md §1.4) that the
+  model layer returns as `text_features(tok)["tokens"]`.
+* **Multi-token words.** A word split into several BPE tokens is mean-pooled over its tokens
+  (`word_mask`), then L2-normalised; s(.,.) in eq. (1) is a cosine.
+* **Pairs per sample.** As in the paper's data (supplementary §7) each sample carries one caption with one
+  matched word and that word's box, so L_LRC has one word-region pair per sample; a caption with several
+  matched words is several samples (rows of `word_regions.parquet`).
+* **Batching of L_LRC.** Symmetric InfoNCE (both directions, as eq. 7 is written) over the pairs of the
+  global batch (gathered across ranks, local rows against gathered columns, as `common.clip_contrastive_loss`).
+  The temperature tau of eq. (7) is the model's learnable logit_scale, shared with L_GC ("similar to Global
+  Contrastive Learning").
+* **Padding never enters the softmax.** A sample whose pair is invalid (`pair_valid` False, or an empty
+  `word_mask`) is neither a row nor a column of L_LRC nor a term of L_GR (FineCLIP's zero-padded rows stay in
+  its softmax, METHODS.md §1.2 pitfall; we do not repeat that).
+* **Same-category false negatives** (`mask_same_category`, default False = eq. 7 as written): when on, an
+  off-diagonal pair (i, j) whose words name the same category is removed from both softmaxes; the diagonal
+  always stays.
+* **L_GR target (eq. 8).** E_i is a FROZEN teacher CLIP's embedding of the region crop (computed by the caller
+  under no_grad); the loss detaches it again so no gradient can reach the teacher. This deliberately differs
+  from FineCLIP, whose "teacher" crop embedding is the live student (METHODS.md §6.16). L_GR is a per-sample
+  term (no gather), averaged over the valid pairs of the rank.
+
+Features dict expected by `HarmoClipLoss.forward` (B = per-rank batch, L = text length, D = embed dim):
+
+    image          [B, D]  global image embedding v_i (normalised)
+    text           [B, D]  global caption embedding t_i (normalised)
+    logit_scale    []      exp(learnable log-temperature) = 1/tau, shared by L_GC and L_LRC
+    text_tokens    [B, L, D] projected caption token states (model.text_features(tok)["tokens"])
+    word_mask      [B, L]  bool, True on the BPE tokens of the matched word (model.token_span)
+    region         [B, D]  RoIAlign'd dense feature of the word's box R_i (model.region_features)
+    region_teacher [B, D]  frozen teacher embedding E_i of the region crop (no grad needed)
+    pair_valid     [B]     bool, optional (default: all True): the sample has a word-region pair
+    category       [B]     long, needed only when mask_same_category: category id of the word
+
+Returned terms (already weighted): `gc`, `lrc`, `gr`. After each call `self.stats` holds plain ints
+(`n_pairs`: valid pairs on this rank, `n_without_pair`): counts are never put in the returned dict, so every
+value the trainer sums is a loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .common import clip_contrastive_loss, contrastive_labels, gather_features
+
+
+def lexeme_features(text_tokens: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
+    """l_i: mean of the word's projected token states W_target = h_{token_idx} (eqs. 3-4), L2-normalised."""
+    weights = word_mask.to(text_tokens.dtype)
+    summed = torch.einsum("bl,bld->bd", weights, text_tokens)
+    mean = summed / weights.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return F.normalize(mean, dim=-1)
+
+
+def masked_clip_contrastive_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: torch.Tensor,
+                                 valid: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric InfoNCE between paired rows a_i, b_i over the VALID pairs of the gathered batch.
+
+    Invalid pairs are neither rows nor columns. With `groups`, off-diagonal pairs of the same group are removed
+    from both softmaxes. Rows are averaged per direction over the valid local rows (eq. 7's 1/2N).
+    """
+    n = a.shape[0]
+    zeros = torch.zeros_like(a)
+    a = torch.where(valid[:, None], a, zeros)          # placeholder rows never carry NaN into the gradient
+    b = torch.where(valid[:, None], b, zeros)
+    extra = [valid.to(a.dtype)] + ([groups.to(a.dtype)] if groups is not None else [])
+    all_a, all_b, all_valid, *all_groups = gather_features(a, b, *extra)
+    labels = contrastive_labels(n, a.device)
+    keep = all_valid.bool()[None, :].expand(n, -1)                       # columns: valid pairs only
+    if groups is not None:
+        same = groups.to(a.dtype)[:, None] == all_groups[0][None, :]
+        diagonal = labels[:, None] == torch.arange(all_a.shape[0], device=a.device)[None, :]
+        keep = keep & ~(same & ~diagonal)                                  # drop same-group negatives
+    if not bool(valid.any()):
+        return (a.sum() + b.sum()) * 0.0
+    logits_ab = (logit_scale * a @ all_b.T).masked_fill(~keep, float("-inf"))
+    logits_ba = (logit_scale * b @ all_a.T).masked_fill(~keep, float("-inf"))
+    return (F.cross_entropy(logits_ab[valid], labels[valid])
+            + F.cross_entropy(logits_ba[valid], labels[valid])) / 2
+
+
+def global_contrastive_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    """L_GC: symmetric InfoNCE between v_i and t_i over the (gathered) batch."""
+    return clip_contrastive_loss(image, text, logit_scale)                                      # eq. (2)
+
+
+def lexeme_region_contrastive_loss(region: torch.Tensor, lexeme: torch.Tensor, logit_scale: torch.Tensor,
+                                   valid: torch.Tensor, category: torch.Tensor | None = None) -> torch.Tensor:
+    """L_LRC: symmetric InfoNCE between region features r_i and lexeme features l_i."""
+    r = F.normalize(region, dim=-1)
+    return masked_clip_contrastive_loss(r, lexeme, logit_scale, valid, groups=category)         # eq. (7)
+
+
+def global_region_alignment_loss(region: torch.Tensor, region_teacher: torch.Tensor,
+                                 valid: torch.Tensor) -> torch.Tensor:
+    """L_GR = 1 - (1/B) sum_i <R_i/|R_i|, E_i/|E_i|>, E_i from the frozen teacher (detached)."""
+    r = F.normalize(region, dim=-1)
+    e = F.normalize(region_teacher.detach(), dim=-1)
+    cos = (r * e).sum(dim=-1)
+    if not bool(valid.any()):
+        return region.sum() * 0.0
+    return 1.0 - cos[valid].mean()                                                              # eq. (8)
+
+
+class HarmoClipLoss(nn.Module):
+    """L = L_GC + lambda_lrc L_LRC + lambda_gr L_GR (eq. 9); see the module docstring for the features dict."""
+
+    def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, mask_same_category: bool = False):
+        super().__init__()
+        self.lambda_lrc = lambda_lrc
+        self.lambda_gr = lambda_gr
+        self.mask_same_category = mask_same_category
+        self.stats: dict[str, int] = {}
+
+    def forward(self, features: dict) -> dict[str, torch.Tensor]:
+        word_mask = features["word_mask"].bool()
+        valid = word_mask.any(dim=1)
+        if features.get("pair_valid") is not None:
+            valid = valid & features["pair_valid"].bool()
+        category = features["category"] if self.mask_same_category else None
+        lexeme = lexeme_features(features["text_tokens"], word_mask)
+        self.stats = {"n_pairs": int(valid.sum()), "n_without_pair": int((~valid).sum())}
+        logit_scale = features["logit_scale"]
+        return {
+            "gc": global_contrastive_loss(features["image"], features["text"], logit_scale),
+            "lrc": self.lambda_lrc * lexeme_region_contrastive_loss(
+                features["region"], lexeme, logit_scale, valid, category),
+            "gr": self.lambda_gr * global_region_alignment_loss(
+                features["region"], features["region_teacher"], valid),
+        }
