@@ -1,0 +1,96 @@
+"""Stage `segments` (GOAL/LISM step 1): DOCCI images -> segment boxes (SAM, or the CPU segmenter).
+
+Under torchrun each rank segments a strided slice of the images and rank 0 merges the parts in image order,
+so a sharded run writes exactly what a single run writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+import numpy as np
+import pandas as pd
+from PIL import Image
+
+from _common import setup_logging, stage_params, stage_parser
+from clipfinetune.data.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
+from clipfinetune.io import InputError, write_json, write_parquet
+
+OUT = Path("data/prepared/segments.parquet")
+
+
+def read_docci_images(jsonl: Path, images: Path) -> list[tuple[str, Path]]:
+    items = []
+    with open(jsonl, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                items.append((str(rec["example_id"]), images / rec["image_file"]))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise InputError(jsonl, f"line {line_no}", f"not a DOCCI record ({e})") from e
+    return sorted(items)
+
+
+def main() -> None:
+    args = stage_parser(__doc__).parse_args()
+    params = stage_params(args.stage or "segments")
+    log = setup_logging("segments")
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    items = read_docci_images(Path(params["segments.docci"]), Path(params["segments.images"]))
+    checkpoint = params["segments.sam_checkpoint"]
+    min_area, max_area = params["segments.min_area"], params["segments.max_area"]
+    sam_settings = {k: params[f"segments.{k}"] for k in
+                    ("points_per_side", "pred_iou_thresh", "stability_score_thresh")}
+    sam_type = params["segments.sam_type"]
+    if checkpoint:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        segmenter = f"segment-anything {sam_type} ({checkpoint})"
+        masks_fn = sam_masks_fn(build_sam(sam_type, checkpoint, device), **sam_settings)
+    else:
+        segmenter = "scikit-image felzenszwalb (CPU alternative: no segments.sam_checkpoint set)"
+        masks_fn = felzenszwalb_masks
+        log.warning("no SAM checkpoint configured: using the CPU segmenter, %s", segmenter)
+
+    rows, skipped = [], []
+    for image_id, path in shard_of(items, rank, world_size):
+        try:
+            image = np.asarray(Image.open(path).convert("RGB"))
+        except (OSError, ValueError) as e:
+            skipped.append({"image_id": image_id, "file": str(path), "reason": str(e)})
+            log.warning("skipping unreadable image %s (%s): %s", path, image_id, e)
+            continue
+        for k, seg in enumerate(segment_image(image, masks_fn, min_area, max_area)):
+            rows.append({"image_id": image_id, "segment_id": k, "x0": seg.box[0], "y0": seg.box[1],
+                         "x1": seg.box[2], "y1": seg.box[3], "area_frac": seg.area_frac})
+    part = pd.DataFrame(rows, columns=["image_id", "segment_id", "x0", "y0", "x1", "y1", "area_frac"])
+    if world_size > 1:
+        part, skipped = _merge_ranks(part, skipped, rank, world_size)
+        if rank != 0:
+            return
+    part = part.sort_values(["image_id", "segment_id"], kind="stable").reset_index(drop=True)
+    write_parquet(OUT, part)
+    write_json(OUT.with_name("segments.meta.json"), {
+        "segmenter": segmenter, "n_images": len(items), "n_segments": len(part),
+        "images_without_segments": len(items) - len(skipped) - part["image_id"].nunique(),
+        "skipped": skipped, "min_area": min_area, "max_area": max_area})
+    log.info("%d segments over %d images (%s)", len(part), len(items), segmenter)
+    params.check_all_read()
+
+
+def _merge_ranks(part, skipped, rank, world_size):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (part, skipped))
+    dist.destroy_process_group()
+    return pd.concat([g[0] for g in gathered]), [s for g in gathered for s in g[1]]
+
+
+if __name__ == "__main__":
+    main()
