@@ -2,9 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import harmoclip_reference as ref
 
 from clipfinetune.losses.harmoclip import HarmoClipLoss
-from reference import harmoclip_reference as ref
 
 B, L, D = 6, 9, 8
 
@@ -40,7 +40,7 @@ def test_global_contrastive_matches_reference():
     f = make_features()
     out = HarmoClipLoss()(f)
     expected = ref.gc_loss(f["image"].detach(), f["text"].detach(), 7.0)
-    assert out["gc"].item() == pytest.approx(expected, rel=1e-5)
+    assert out["contrastive"].item() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("with_invalid", [False, True])
@@ -49,7 +49,7 @@ def test_lexeme_region_contrastive_matches_reference(with_invalid):
     out = HarmoClipLoss(lambda_lrc=0.7)(f)
     expected = ref.lrc_loss(f["region"].detach(), f["text_tokens"].detach(), f["word_mask"], 7.0,
                             reference_valid(f))
-    assert out["lrc"].item() == pytest.approx(0.7 * expected, rel=1e-5)
+    assert out["lexeme_region"].item() == pytest.approx(0.7 * expected, rel=1e-5)
 
 
 def test_same_category_masking_matches_reference():
@@ -57,27 +57,24 @@ def test_same_category_masking_matches_reference():
     out = HarmoClipLoss(mask_same_category=True)(f)
     expected = ref.lrc_loss(f["region"].detach(), f["text_tokens"].detach(), f["word_mask"], 7.0,
                             reference_valid(f), category=f["category"])
-    assert out["lrc"].item() == pytest.approx(expected, rel=1e-5)
-    unmasked = HarmoClipLoss()(f)["lrc"].item()
-    assert out["lrc"].item() != pytest.approx(unmasked, rel=1e-4)
+    assert out["lexeme_region"].item() == pytest.approx(expected, rel=1e-5)
+    unmasked = HarmoClipLoss()(f)["lexeme_region"].item()
+    assert out["lexeme_region"].item() != pytest.approx(unmasked, rel=1e-4)
 
 
 def test_same_category_masking_removes_exactly_those_pairs():
-    # Removing a pair from the softmax == making its features irrelevant: with masking on, moving the lexeme of
-    # a same-category partner (row 5 shares category 0 with row 0) changes row 0's terms only via row 5's own
-    # rows, so we check the per-pair rule directly: the loss equals the reference that drops exactly them.
+    # one same-category pair, (0, 1): masking removes (0,1) and (1,0) from the softmaxes and nothing else
     f = make_features(with_invalid=False)
-    f["category"] = torch.tensor([3, 3, 4, 5, 6, 7])           # one same-category pair: (0, 1)
-    masked = HarmoClipLoss(mask_same_category=True)(f)["lrc"].item()
-    # hand-built: the reference without categories, but with pair (0,1)/(1,0) removed
+    f["category"] = torch.tensor([3, 3, 4, 5, 6, 7])
+    masked = HarmoClipLoss(mask_same_category=True)(f)["lexeme_region"].item()
     expected = ref.lrc_loss(f["region"].detach(), f["text_tokens"].detach(), f["word_mask"], 7.0,
-                            reference_valid(f), category=torch.tensor([3, 3, 4, 5, 6, 7]))
-    distinct = ref.lrc_loss(f["region"].detach(), f["text_tokens"].detach(), f["word_mask"], 7.0,
-                            reference_valid(f), category=torch.arange(B))
+                            reference_valid(f), category=f["category"])
+    unmasked = HarmoClipLoss()(f)["lexeme_region"].item()
     assert masked == pytest.approx(expected, rel=1e-5)
-    assert masked != pytest.approx(distinct, rel=1e-4)
-    assert HarmoClipLoss(mask_same_category=True)(
-        dict(f, category=torch.arange(B)))["lrc"].item() == pytest.approx(distinct, rel=1e-5)
+    assert masked != pytest.approx(unmasked, rel=1e-4)
+    # all categories distinct: nothing is removed, the masked loss is eq. (7) as written
+    distinct = HarmoClipLoss(mask_same_category=True)(dict(f, category=torch.arange(B)))["lexeme_region"].item()
+    assert distinct == pytest.approx(unmasked, rel=1e-6)
 
 
 def test_invalid_pairs_are_neither_rows_nor_columns():
@@ -91,15 +88,15 @@ def test_invalid_pairs_are_neither_rows_nor_columns():
     g["region_teacher"] = f["region_teacher"].detach().clone()
     g["region_teacher"][2] = -5.0
     out = HarmoClipLoss()(g)
-    assert out["lrc"].item() == pytest.approx(base["lrc"].item(), rel=1e-6)
-    assert out["gr"].item() == pytest.approx(base["gr"].item(), rel=1e-6)
+    assert out["lexeme_region"].item() == pytest.approx(base["lexeme_region"].item(), rel=1e-6)
+    assert out["global_region"].item() == pytest.approx(base["global_region"].item(), rel=1e-6)
 
 
 def test_global_region_alignment_matches_reference():
     f = make_features()
     out = HarmoClipLoss(lambda_gr=2.0)(f)
     expected = ref.gr_loss(f["region"].detach(), f["region_teacher"].detach(), f["pair_valid"] & f["word_mask"].any(1))
-    assert out["gr"].item() == pytest.approx(2.0 * expected, rel=1e-5)
+    assert out["global_region"].item() == pytest.approx(2.0 * expected, rel=1e-5)
 
 
 def test_gradients_are_finite_and_teacher_gets_none():
@@ -118,6 +115,14 @@ def test_no_valid_pair_gives_zero_finite_terms():
     f = make_features()
     f["pair_valid"] = torch.zeros(B, dtype=torch.bool)
     out = HarmoClipLoss()(f)
-    assert out["lrc"].item() == 0.0 and out["gr"].item() == 0.0
+    assert out["lexeme_region"].item() == 0.0 and out["global_region"].item() == 0.0
     sum(out.values()).backward()
     assert torch.isfinite(f["region"].grad).all()
+
+
+def test_zero_weights_need_no_region_inputs():
+    f = make_features()
+    global_only = {k: f[k] for k in ("image", "text", "logit_scale")}
+    out = HarmoClipLoss(lambda_lrc=0.0, lambda_gr=0.0)(global_only)
+    assert out["lexeme_region"].item() == 0.0 and out["global_region"].item() == 0.0
+    assert out["contrastive"].item() == pytest.approx(HarmoClipLoss()(f)["contrastive"].item(), rel=1e-6)

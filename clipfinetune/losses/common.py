@@ -1,8 +1,8 @@
 """Pieces every loss shares: gathering features across ranks, and the symmetric InfoNCE of CLIP.
 
 `gather_features` is open_clip's `gather_features(local_loss=True, gather_with_grad=True)`: a differentiable
-all-gather (`torch.distributed.nn.functional.all_gather`, whose backward sums every rank's gradient into the
-owner). Each rank scores its local rows against all gathered columns; summed over ranks and averaged by DDP
+all-gather (torch's functional `all_gather_single_autograd`, the successor of the deprecated
+`torch.distributed.nn.functional.all_gather`; its backward sums every rank's gradient into the owner). Each rank scores its local rows against all gathered columns; summed over ranks and averaged by DDP
 this is exactly the gradient of one process on the concatenated batch (tested). With one process it returns
 its inputs unchanged. Every in-batch contrastive term calls it; per-sample terms (hard-negative choices,
 token losses, distillation) stay local.
@@ -25,9 +25,14 @@ def gather_features(*features: torch.Tensor) -> tuple[torch.Tensor, ...]:
     _, world_size = world()
     if world_size == 1:
         return features
-    from torch.distributed.nn.functional import all_gather
+    try:
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+    except ImportError:  # torch < 2.5
+        from torch.distributed.nn.functional import all_gather
+        return tuple(torch.cat(all_gather(f.contiguous()), dim=0) for f in features)
+    from torch.distributed._functional_collectives import wait_tensor
 
-    return tuple(torch.cat(all_gather(f.contiguous()), dim=0) for f in features)
+    return tuple(wait_tensor(all_gather_single_autograd(f.contiguous(), 0, dist.group.WORLD)) for f in features)
 
 
 def contrastive_labels(n_local: int, device) -> torch.Tensor:
@@ -48,3 +53,30 @@ def clip_contrastive_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: 
     logits_t2i = logit_scale * text @ all_image.T
     return (F.cross_entropy(logits_i2t, labels, label_smoothing=label_smoothing)
             + F.cross_entropy(logits_t2i, labels, label_smoothing=label_smoothing)) / 2
+
+
+def masked_clip_contrastive_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: torch.Tensor,
+                                 valid: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric InfoNCE between paired rows a_i, b_i over the VALID pairs of the gathered batch.
+
+    Invalid pairs are neither rows nor columns. With `groups`, off-diagonal pairs of the same group are removed
+    from both softmaxes. Rows are averaged per direction over the valid local rows (eq. 7's 1/2N).
+    """
+    n = a.shape[0]
+    zeros = torch.zeros_like(a)
+    a = torch.where(valid[:, None], a, zeros)          # placeholder rows never carry NaN into the gradient
+    b = torch.where(valid[:, None], b, zeros)
+    extra = [valid.to(a.dtype)] + ([groups.to(a.dtype)] if groups is not None else [])
+    all_a, all_b, all_valid, *all_groups = gather_features(a, b, *extra)
+    labels = contrastive_labels(n, a.device)
+    keep = all_valid.bool()[None, :].expand(n, -1)                       # columns: valid pairs only
+    if groups is not None:
+        same = groups.to(a.dtype)[:, None] == all_groups[0][None, :]
+        diagonal = labels[:, None] == torch.arange(all_a.shape[0], device=a.device)[None, :]
+        keep = keep & ~(same & ~diagonal)                                  # drop same-group negatives
+    if not bool(valid.any()):
+        return (a.sum() + b.sum()) * 0.0
+    logits_ab = (logit_scale * a @ all_b.T).masked_fill(~keep, float("-inf"))
+    logits_ba = (logit_scale * b @ all_a.T).masked_fill(~keep, float("-inf"))
+    return (F.cross_entropy(logits_ab[valid], labels[valid])
+            + F.cross_entropy(logits_ba[valid], labels[valid])) / 2

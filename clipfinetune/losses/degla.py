@@ -76,7 +76,9 @@ def own_negative_choice_loss(anchor, positive, neg_text, neg_valid, scale) -> to
     neg = torch.einsum("bd,bkd->bk", anchor, neg_text)
     if not bool(keep.any()):
         return (pos.sum() + neg.sum()) * 0.0                        # 0, in the graph, finite gradient
-    logits = scale * torch.cat([pos, neg.masked_fill(~neg_valid, float("-inf"))], dim=1)   # [B, 1+K]
+    valid = torch.cat([torch.ones_like(neg_valid[:, :1]), neg_valid], dim=1)
+    # mask after scaling: scale * (-inf) would give the scale a NaN gradient (0 * -inf)
+    logits = (scale * torch.cat([pos, neg], dim=1)).masked_fill(~valid, float("-inf"))   # [B, 1+K]
     target = torch.zeros(int(keep.sum()), dtype=torch.long, device=anchor.device)
     return F.cross_entropy(logits[keep], target)
 

@@ -43,7 +43,9 @@ Features dict expected by `HarmoClipLoss.forward` (B = per-rank batch, L = text 
     pair_valid     [B]     bool, optional (default: all True): the sample has a word-region pair
     category       [B]     long, needed only when mask_same_category: category id of the word
 
-Returned terms (already weighted): `gc`, `lrc`, `gr`. After each call `self.stats` holds plain ints
+Returned terms (already weighted): `contrastive` (L_GC), `lexeme_region` (L_LRC), `global_region` (L_GR).
+A term whose lambda is 0 is a graph-connected zero and its inputs are not read (with both 0 only `image`,
+`text`, `logit_scale` are needed). After each call `self.stats` holds plain ints
 (`n_pairs`: valid pairs on this rank, `n_without_pair`): counts are never put in the returned dict, so every
 value the trainer sums is a loss.
 """
@@ -53,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss, contrastive_labels, gather_features
+from .common import clip_contrastive_loss, masked_clip_contrastive_loss
 
 
 def lexeme_features(text_tokens: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
@@ -62,33 +64,6 @@ def lexeme_features(text_tokens: torch.Tensor, word_mask: torch.Tensor) -> torch
     summed = torch.einsum("bl,bld->bd", weights, text_tokens)
     mean = summed / weights.sum(dim=1, keepdim=True).clamp(min=1.0)
     return F.normalize(mean, dim=-1)
-
-
-def masked_clip_contrastive_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: torch.Tensor,
-                                 valid: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
-    """Symmetric InfoNCE between paired rows a_i, b_i over the VALID pairs of the gathered batch.
-
-    Invalid pairs are neither rows nor columns. With `groups`, off-diagonal pairs of the same group are removed
-    from both softmaxes. Rows are averaged per direction over the valid local rows (eq. 7's 1/2N).
-    """
-    n = a.shape[0]
-    zeros = torch.zeros_like(a)
-    a = torch.where(valid[:, None], a, zeros)          # placeholder rows never carry NaN into the gradient
-    b = torch.where(valid[:, None], b, zeros)
-    extra = [valid.to(a.dtype)] + ([groups.to(a.dtype)] if groups is not None else [])
-    all_a, all_b, all_valid, *all_groups = gather_features(a, b, *extra)
-    labels = contrastive_labels(n, a.device)
-    keep = all_valid.bool()[None, :].expand(n, -1)                       # columns: valid pairs only
-    if groups is not None:
-        same = groups.to(a.dtype)[:, None] == all_groups[0][None, :]
-        diagonal = labels[:, None] == torch.arange(all_a.shape[0], device=a.device)[None, :]
-        keep = keep & ~(same & ~diagonal)                                  # drop same-group negatives
-    if not bool(valid.any()):
-        return (a.sum() + b.sum()) * 0.0
-    logits_ab = (logit_scale * a @ all_b.T).masked_fill(~keep, float("-inf"))
-    logits_ba = (logit_scale * b @ all_a.T).masked_fill(~keep, float("-inf"))
-    return (F.cross_entropy(logits_ab[valid], labels[valid])
-            + F.cross_entropy(logits_ba[valid], labels[valid])) / 2
 
 
 def global_contrastive_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
@@ -110,7 +85,7 @@ def global_region_alignment_loss(region: torch.Tensor, region_teacher: torch.Ten
     e = F.normalize(region_teacher.detach(), dim=-1)
     cos = (r * e).sum(dim=-1)
     if not bool(valid.any()):
-        return region.sum() * 0.0
+        return region[valid].sum() * 0.0   # empty: 0, still in the graph
     return 1.0 - cos[valid].mean()                                                              # eq. (8)
 
 
@@ -125,18 +100,21 @@ class HarmoClipLoss(nn.Module):
         self.stats: dict[str, int] = {}
 
     def forward(self, features: dict) -> dict[str, torch.Tensor]:
-        word_mask = features["word_mask"].bool()
+        f = features
+        logit_scale = f["logit_scale"]
+        terms = {"contrastive": global_contrastive_loss(f["image"], f["text"], logit_scale)}
+        zero = f["image"].sum() * 0.0
+        if self.lambda_lrc == 0 and self.lambda_gr == 0:                 # ablation: no region inputs read
+            self.stats = {}
+            return dict(terms, lexeme_region=zero, global_region=zero)
+        word_mask = f["word_mask"].bool()
         valid = word_mask.any(dim=1)
-        if features.get("pair_valid") is not None:
-            valid = valid & features["pair_valid"].bool()
-        category = features["category"] if self.mask_same_category else None
-        lexeme = lexeme_features(features["text_tokens"], word_mask)
+        if f.get("pair_valid") is not None:
+            valid = valid & f["pair_valid"].bool()
         self.stats = {"n_pairs": int(valid.sum()), "n_without_pair": int((~valid).sum())}
-        logit_scale = features["logit_scale"]
-        return {
-            "gc": global_contrastive_loss(features["image"], features["text"], logit_scale),
-            "lrc": self.lambda_lrc * lexeme_region_contrastive_loss(
-                features["region"], lexeme, logit_scale, valid, category),
-            "gr": self.lambda_gr * global_region_alignment_loss(
-                features["region"], features["region_teacher"], valid),
-        }
+        category = f["category"] if self.mask_same_category else None
+        terms["lexeme_region"] = zero if self.lambda_lrc == 0 else self.lambda_lrc * lexeme_region_contrastive_loss(
+            f["region"], lexeme_features(f["text_tokens"], word_mask), logit_scale, valid, category)
+        terms["global_region"] = zero if self.lambda_gr == 0 else self.lambda_gr * global_region_alignment_loss(
+            f["region"], f["region_teacher"], valid)
+        return terms

@@ -3,8 +3,6 @@ from clipfinetune). Pairs i with valid[i] False take no part; with `category`, o
 category as i are left out of the sums of eq. (7)."""
 import math
 
-import torch
-
 
 def _cos(u, v):
     return float(u @ v) / (math.sqrt(float(u @ u)) * math.sqrt(float(v @ v)))
