@@ -1,0 +1,268 @@
+"""DeGLA's LLM hard negatives: few-shot prompts, the `server` and `offline` (vLLM) backends.
+
+Prompt (DeGLA appendix A.4, Fig. 8, the LLaMA-3.1-8B-Instruct column), one request per caption and
+rewrite type: "Please rewrite the following input caption based on the rewrite rule and examples:
+<rule>. Here are the examples: <ex1>,...,<ex5>. ensuring that the rewritten sentences have
+significantly different or opposite meanings from the original sentences. Input text: <caption>",
+followed by one line asking for the JSON answer the structured-output schema enforces. The five
+examples per type come from our own bank `clipfinetune/data/fewshot/degla.json` (DeGLA's 50 curated
+ChatGPT examples are not released), chosen per caption by a hash so prompts vary but stay reproducible.
+`prompt_version` hashes the template and the bank: editing either re-asks everything.
+
+Backends share one interface, `run(requests, on_result)` with `on_result(request, text, error, raw)`:
+- `ServerBackend`: any OpenAI-compatible `/chat/completions` endpoint (e.g. `vllm serve`), a thread
+  pool of `concurrency` requests, per-request timeout, bounded retries with exponential backoff on
+  timeouts / connection errors / 429 / 5xx, `response_format={"type": "json_schema", ...}` (vLLM >= 0.12
+  ignores the legacy `guided_json`) and an explicit `max_tokens`. A server still unreachable after the
+  retries raises `EndpointError` naming the URL; answers received so far are already in the cache.
+- `OfflineBackend`: `vllm.LLM.chat` over chunks of requests with `SamplingParams(structured_outputs=
+  StructuredOutputsParams(json=schema))` (`GuidedDecodingParams` on older vLLM); `vllm` is imported lazily.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from importlib import resources as ilr
+
+from clipfinetune.data.negative_validators import RULES, TYPES
+
+log = logging.getLogger(__name__)
+
+TEMPLATE = ("Please rewrite the following input caption based on the rewrite rule and examples: <{rule}>. "
+            "Here are the examples: {examples}. ensuring that the rewritten sentences have significantly "
+            "different or opposite meanings from the original sentences. Input text: <{caption}>")
+ANSWER_LINE = 'Reply with a JSON object {"rewritten": "<the rewritten caption>"} and nothing else.'
+N_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class Request:
+    key: str
+    caption: str
+    type: str
+    variant: int = 0
+
+
+class EndpointError(RuntimeError):
+    """The LLM endpoint could not be reached (after retries) or refused every request."""
+
+
+@functools.lru_cache(maxsize=1)
+def fewshot_bank() -> dict:
+    """The few-shot bank shipped with the package: {type: {"rule": str, "examples": [{input, output}]}}."""
+    text = ilr.files("clipfinetune.data").joinpath("fewshot/degla.json").read_text()
+    bank = json.loads(text)["types"]
+    for t in TYPES:
+        if t not in bank or len(bank[t]["examples"]) < N_EXAMPLES:
+            raise ValueError(f"fewshot/degla.json: type {t!r} needs >= {N_EXAMPLES} examples")
+    return bank
+
+
+@functools.lru_cache(maxsize=1)
+def prompt_version() -> str:
+    blob = json.dumps([TEMPLATE, ANSWER_LINE, N_EXAMPLES, fewshot_bank()], sort_keys=True)
+    return "degla-fewshot-" + hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def answer_schema(max_chars: int = 400) -> dict:
+    return {"type": "object", "additionalProperties": False, "required": ["rewritten"],
+            "properties": {"rewritten": {"type": "string", "minLength": 1, "maxLength": max_chars}}}
+
+
+def build_prompt(caption: str, type_: str, variant: int = 0) -> str:
+    entry = fewshot_bank()[type_]
+    exs = entry["examples"]
+    start = (int(hashlib.sha256(caption.encode()).hexdigest(), 16) + variant) % len(exs)
+    chosen = [exs[(start + i) % len(exs)] for i in range(N_EXAMPLES)]
+    examples = ",".join(f"<Input text: {e['input']} Rewritten text: {e['output']}>" for e in chosen)
+    rule = entry.get("rule", RULES[type_])
+    return TEMPLATE.format(rule=rule, examples=examples, caption=caption) + "\n" + ANSWER_LINE
+
+
+def messages_for(req: Request) -> list[dict]:
+    return [{"role": "user", "content": build_prompt(req.caption, req.type, req.variant)}]
+
+
+def parse_answer(content) -> tuple[str | None, str | None]:
+    """(text, None) from a reply's content, or (None, reason) when it is not the JSON asked for."""
+    if not isinstance(content, str) or not content.strip():
+        return None, "empty"
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        return None, "malformed_json"
+    if not isinstance(obj, dict) or not isinstance(obj.get("rewritten"), str):
+        return None, "malformed_json"
+    return obj["rewritten"].strip(), None
+
+
+def request_seed(seed: int, key: str) -> int:
+    return (seed * 1_000_003 + int(key[:8], 16)) % (2**31)
+
+
+# ---------------------------------------------------------------------------------------- server
+class _Retryable(Exception):
+    pass
+
+
+class ServerBackend:
+    name = "server"
+
+    def __init__(self, base_url: str, model: str, api_key: str = "", concurrency: int = 8,
+                 timeout: float = 60.0, max_retries: int = 4, backoff: float = 1.0, max_tokens: int = 256,
+                 temperature: float = 0.7, seed: int = 0):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.api_key, self.concurrency = model, api_key, max(1, int(concurrency))
+        self.timeout, self.max_retries, self.backoff = float(timeout), int(max_retries), float(backoff)
+        self.max_tokens, self.temperature, self.seed = int(max_tokens), float(temperature), int(seed)
+        self.requests_sent = 0
+        self._stop = threading.Event()
+        self._local = threading.local()
+
+    def prepare(self, captions) -> None:
+        pass
+
+    def _session(self):
+        import requests
+
+        if not hasattr(self._local, "s"):
+            self._local.s = requests.Session()
+        return self._local.s
+
+    def payload(self, req: Request) -> dict:
+        return {"model": self.model, "messages": messages_for(req), "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "seed": request_seed(self.seed, req.key),
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "rewrite", "strict": True,
+                                                    "schema": answer_schema()}}}
+
+    def _post_once(self, req: Request) -> str:
+        import requests
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.requests_sent += 1
+        try:
+            r = self._session().post(self.url, json=self.payload(req), headers=headers, timeout=self.timeout)
+        except requests.exceptions.Timeout as e:      # also ConnectTimeout: a busy server, not a dead one
+            raise _Retryable(f"timeout after {self.timeout}s") from e
+        except requests.exceptions.ConnectionError as e:
+            raise _Retryable(f"connection error: {e}") from e
+        if r.status_code == 429 or r.status_code >= 500:
+            raise _Retryable(f"HTTP {r.status_code}")
+        if r.status_code >= 400:
+            raise EndpointError(f"{self.url}: HTTP {r.status_code}: {r.text[:300]}")
+        try:
+            return r.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return ""   # a 200 whose body is not a chat completion: counted as an empty answer
+
+    def _ask(self, req: Request):
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if self._stop.is_set():
+                return None
+            try:
+                return self._post_once(req)
+            except _Retryable as e:
+                last = str(e)
+                if attempt < self.max_retries:
+                    self._stop.wait(self.backoff * 2 ** attempt)
+        raise _Retryable(last)
+
+    def run(self, requests, on_result) -> dict:
+        """Ask every request; returns {"failed": n, "last_error": str}. Raises EndpointError when the
+        server is unreachable (connection errors after all retries) or every request failed."""
+        requests = list(requests)
+        failed, last, unreachable, answered = 0, "", None, 0
+        self._stop.clear()
+        with cf.ThreadPoolExecutor(self.concurrency) as pool:
+            futures = {pool.submit(self._ask, r): r for r in requests}
+            try:
+                for fut in cf.as_completed(futures):
+                    req = futures[fut]
+                    try:
+                        content = fut.result()
+                    except _Retryable as e:
+                        failed, last = failed + 1, str(e)
+                        if "connection error" in last:
+                            unreachable = last
+                            break
+                        continue
+                    except EndpointError as e:
+                        unreachable = str(e)
+                        break
+                    if content is None:
+                        continue
+                    text, err = parse_answer(content)
+                    on_result(req, text, err, content)
+                    answered += 1
+            finally:
+                self._stop.set()
+                for f in futures:
+                    f.cancel()
+        if unreachable:
+            raise EndpointError(f"LLM endpoint {self.url} failed after {self.max_retries} retries: "
+                                f"{unreachable}. Answers received so far are cached; start the server "
+                                f"(e.g. `vllm serve {self.model} --generation-config vllm`) or set "
+                                f"negatives.backend: rules")
+        if requests and not answered:
+            raise EndpointError(f"LLM endpoint {self.url}: all {failed} requests failed ({last})")
+        return {"failed": failed, "last_error": last}
+
+
+# ---------------------------------------------------------------------------------------- offline
+class OfflineBackend:
+    name = "offline"
+
+    def __init__(self, model: str, max_tokens: int = 256, temperature: float = 0.7, seed: int = 0,
+                 chunk: int = 1024, **llm_kwargs):
+        self.model, self.max_tokens, self.temperature, self.seed = model, int(max_tokens), float(temperature), int(seed)
+        self.chunk, self.llm_kwargs = int(chunk), llm_kwargs
+        self._llm = None
+        self.vllm_version = None
+
+    def prepare(self, captions) -> None:
+        pass
+
+    def _engine(self):
+        try:
+            import vllm
+        except ImportError as e:
+            raise RuntimeError("negatives.backend=offline needs vLLM and a GPU (pip install 'clipfinetune[gpu]'); "
+                               "use backend: server against a running `vllm serve`, or backend: rules") from e
+        self.vllm_version = getattr(vllm, "__version__", "unknown")
+        if self._llm is None:
+            kw = {"max_model_len": 4096, "gpu_memory_utilization": 0.9, **self.llm_kwargs}
+            self._llm = vllm.LLM(model=self.model, seed=self.seed, generation_config="vllm", **kw)
+        return vllm, self._llm
+
+    def _sampling(self, vllm, req: Request):
+        sp = {"temperature": self.temperature, "top_p": 0.95, "max_tokens": self.max_tokens, "n": 1,
+              "seed": request_seed(self.seed, req.key)}
+        try:
+            from vllm.sampling_params import StructuredOutputsParams
+            sp["structured_outputs"] = StructuredOutputsParams(json=answer_schema())
+        except ImportError:   # vLLM < 0.11 named it guided decoding
+            from vllm.sampling_params import GuidedDecodingParams
+            sp["guided_decoding"] = GuidedDecodingParams(json=answer_schema())
+        return vllm.SamplingParams(**sp)
+
+    def run(self, requests, on_result) -> dict:
+        requests = list(requests)
+        if not requests:
+            return {"failed": 0, "last_error": ""}
+        vllm, llm = self._engine()
+        for i in range(0, len(requests), self.chunk):
+            batch = requests[i:i + self.chunk]
+            outs = llm.chat([messages_for(r) for r in batch], [self._sampling(vllm, r) for r in batch],
+                            use_tqdm=False)
+            for req, out in zip(batch, outs):
+                content = out.outputs[0].text if out.outputs else ""
+                text, err = parse_answer(content)
+                on_result(req, text, err, content)
+        return {"failed": 0, "last_error": ""}

@@ -1,0 +1,274 @@
+"""The training loader: shards -> method batches, deterministic by (seed, epoch) and resumable exactly.
+
+Pipeline per loader worker (a WebDataset pipeline; rank/world and worker ids from
+`webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed):
+
+    shard list shuffled by (seed, epoch, pass), repeated pass after pass (train)
+    -> wds.split_by_node -> wds.split_by_worker -> wds.tarfile_to_samples
+    -> json -> method.wants(record) filter -> shuffle buffer seeded by (seed, epoch, rank, worker)
+    -> skip (resume) -> PIL RGB decode (corrupt: counted skip) -> method.make_example(record, image, rng, ctx)
+    -> default_collate per `batch_size` -> exactly `batches_per_epoch / max(1, num_workers)` batches
+
+Decisions:
+- **Epoch length without a DataLoader-wide count**: at construction the loader reads the shards' json
+  members (tar headers are seeked over; no image is read or decoded) and counts the samples the method
+  wants. `batches_per_epoch = ceil(wanted / (batch_size * world))`, rounded up to a multiple of the
+  worker count (open_clip's rule). Every rank runs exactly that many batches (the shard stream is
+  repeated, so a rank whose shards hold fewer samples repeats some): DDP ranks never wait on each other.
+- **Determinism**: shard order, shuffle buffer and the per-example `rng` are seeded by strings of
+  (seed, epoch, rank, worker, position); torch's DataLoader returns worker batches round-robin, in
+  order. The same (seed, epoch, world size, num_workers, batch_size) give the same batches.
+- **Resume** at (epoch, k): every worker skips its first k // W batches *before* decoding images (the
+  filter and shuffle are replayed; they are cheap), the main process drops the remaining k % W. A
+  corrupt image inside the skipped region would shift later batches by one sample; the `shards` stage
+  verifies every image, so this can only come from on-disk damage after the stage ran.
+- `make_example`'s rng: `random.Random("seed:epoch:rank:worker:n")` for the worker's n-th wanted sample.
+- Statistics (samples seen, dropped by the method filter, corrupt images, repeats) are counted in the
+  workers, travel with each batch and are summed in `ShardLoader.stats`; each epoch ends with a log line.
+- Validation (`train=False`): one pass in shard order, no shuffle, partial last batches, no repeats.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import random
+import tarfile
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.data import IterableDataset, default_collate
+
+from clipfinetune import boxes as boxlib
+from clipfinetune.io import InputError
+
+log = logging.getLogger(__name__)
+
+
+class ExampleContext:
+    """What `Method.make_example` may use, built once from the model (DEVELOPERS.md)."""
+
+    def __init__(self, transform: Callable, tokenize: Callable, image_size: int | tuple[int, int],
+                 tokenize_long: Callable | None = None, token_span: Callable | None = None):
+        self.transform, self.tokenize, self.image_size = transform, tokenize, image_size
+        self._tokenize_long, self._token_span = tokenize_long, token_span
+
+    def tokenize_long(self, texts):
+        if self._tokenize_long is None:
+            raise RuntimeError("this ExampleContext has no long-text tokenizer (pass tokenize_long=)")
+        return self._tokenize_long(texts)
+
+    def resize_boxes(self, boxes, orig_wh: tuple[int, int]) -> torch.Tensor:
+        """xyxy boxes in original pixels -> pixels of the squash-resized model input (boxes.py)."""
+        t = torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4)
+        return boxlib.resize_boxes(t, orig_wh, self.image_size)
+
+    def crop(self, image, box, scale: float = 1.0) -> torch.Tensor:
+        """The transformed crop of `box` (original pixels), enlarged about its centre by `scale`."""
+        wh = image.size
+        b = boxlib.enlarge_box(box, scale, wh) if scale != 1.0 else boxlib.clip_box(box, wh)
+        if b is None:
+            raise ValueError(f"box {list(box)} has no area inside the {wh} image")
+        return self.transform(image.crop(tuple(round(v) for v in b)))
+
+    def token_span(self, text: str, char_start: int, char_end: int) -> list[int]:
+        if self._token_span is None:
+            raise RuntimeError("this ExampleContext has no token_span (pass token_span=model.token_span)")
+        return self._token_span(text, char_start, char_end)
+
+    def online_negatives(self, caption: str, rng: random.Random) -> dict:
+        """FSC-CLIP's rule negatives, one per type (negclip/replace/shuffle) or None."""
+        from clipfinetune.data.rule_negatives import online_negatives
+
+        return online_negatives(caption, rng)
+
+
+def shard_paths(shards_dir: str | Path, split: str) -> list[str]:
+    paths = sorted(str(p) for p in Path(shards_dir).glob(f"{split}-*.tar"))
+    if not paths:
+        raise InputError(shards_dir, split, f"no {split}-*.tar shards (run `dvc repro shards`)")
+    return paths
+
+
+def iter_shard_records(path: str) -> Iterator[tuple[str, dict]]:
+    """(key, json record) of every sample in one shard; image members are seeked over, never read."""
+    with tarfile.open(path) as tf:
+        for m in tf:
+            if m.isfile() and m.name.endswith(".json"):
+                yield m.name[:-len(".json")], json.loads(tf.extractfile(m).read())
+
+
+def count_wanted(paths: list[str], method) -> tuple[list[int], list[int]]:
+    """Per shard: (samples, samples the method wants)."""
+    totals, wanted = [], []
+    for p in paths:
+        n = w = 0
+        for _, rec in iter_shard_records(p):
+            n += 1
+            w += bool(method.wants(rec))
+        totals.append(n)
+        wanted.append(w)
+    return totals, wanted
+
+
+def _seeded(*parts) -> random.Random:
+    return random.Random(":".join(str(p) for p in parts))
+
+
+def _buffer_shuffle(items, bufsize: int, rng: random.Random):
+    buf = []
+    for x in items:
+        if len(buf) < bufsize:
+            buf.append(x)
+            continue
+        i = rng.randrange(bufsize)
+        yield buf[i]
+        buf[i] = x
+    rng.shuffle(buf)
+    yield from buf
+
+
+class _EpochStream(IterableDataset):
+    """One epoch of one rank: yields {"batch": collated, "stats": {...}} per batch from each worker."""
+
+    def __init__(self, cfg: dict, epoch: int, skip_batches: int, batches_per_worker: int | None):
+        super().__init__()
+        self.cfg, self.epoch = cfg, epoch
+        self.skip_batches, self.batches_per_worker = skip_batches, batches_per_worker
+
+    def _shard_urls(self):
+        paths, seed, train = self.cfg["paths"], self.cfg["seed"], self.cfg["train"]
+        p = 0
+        while True:
+            order = list(paths)
+            if train:
+                _seeded(seed, self.epoch, "shards", p).shuffle(order)
+            yield from ({"url": u} for u in order)
+            if not train:
+                return
+            p += 1
+
+    def __iter__(self):
+        import webdataset as wds
+
+        cfg = self.cfg
+        method, ctx, bs, train = cfg["method"], cfg["ctx"], cfg["batch_size"], cfg["train"]
+        rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        stats: Counter = Counter()
+        urls = wds.split_by_worker(wds.split_by_node(self._shard_urls()))
+        raw = wds.tarfile_to_samples()(urls)
+
+        def wanted():
+            misses, seen = 0, set()
+            for s in raw:
+                rec = json.loads(s["json"])
+                stats["samples_read"] += 1
+                if s["__key__"] in seen:
+                    stats["samples_repeated"] += 1
+                seen.add(s["__key__"])
+                if not method.wants(rec):
+                    stats["dropped_by_method"] += 1
+                    misses += 1
+                    if misses > cfg["max_misses"]:
+                        raise RuntimeError(f"rank {rank} worker {worker}: no sample wanted by method "
+                                           f"{method.name!r} in {misses} consecutive samples")
+                    continue
+                misses = 0
+                yield s["__key__"], s["jpg"], rec
+
+        stream = wanted()
+        if train:
+            stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank, worker, "buf"))
+        to_skip, n, batch, produced = self.skip_batches * bs, 0, [], self.skip_batches
+        for key, jpg, rec in stream:
+            n += 1
+            if n <= to_skip:
+                continue
+            try:
+                from PIL import Image
+
+                with Image.open(io.BytesIO(jpg)) as im:
+                    image = im.convert("RGB")
+            except Exception as e:   # noqa: BLE001 - PIL raises many types on corrupt data
+                stats["corrupt_images_skipped"] += 1
+                log.warning("skipping sample %s: corrupt image (%s)", key, e)
+                continue
+            rng = _seeded(cfg["seed"], self.epoch, rank, worker, n)
+            batch.append(method.make_example(rec, image, rng, ctx))
+            if len(batch) == bs:
+                yield {"batch": default_collate(batch), "stats": dict(stats)}
+                stats.clear()
+                batch, produced = [], produced + 1
+                if self.batches_per_worker is not None and produced >= self.batches_per_worker:
+                    return
+        if batch and not train:
+            yield {"batch": default_collate(batch), "stats": dict(stats)}
+
+
+class ShardLoader:
+    """Batches of one method from `<shards_dir>/<split>-*.tar`, one epoch at a time.
+
+    A `train.loop.BatchSource`: `len(loader)` batches per epoch on this rank, `loader.batches(epoch, start)`.
+    """
+
+    def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
+                 seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True):
+        import webdataset as wds
+
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.paths = shard_paths(shards_dir, split)
+        self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
+        self.num_workers, self.train = num_workers, train
+        self.rank, self.world_size, _, _ = wds.utils.pytorch_worker_info()
+        totals, wanted = count_wanted(self.paths, method)
+        self.num_samples, self.num_wanted = sum(totals), sum(wanted)
+        self.shard_wanted = dict(zip(self.paths, wanted))
+        if self.num_wanted == 0:
+            raise InputError(shards_dir, split, f"method {method.name!r} wants none of the {self.num_samples} samples")
+        log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
+                 self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
+        w = max(1, num_workers)
+        if train:
+            nb = math.ceil(self.num_wanted / (batch_size * self.world_size))
+            self.batches_per_epoch = math.ceil(nb / w) * w
+        else:
+            self.batches_per_epoch = self._eval_batches(w)
+        self.stats: Counter = Counter()
+        self._cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
+                     "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
+                     "max_misses": 2 * self.num_samples + 1}
+
+    def _eval_batches(self, w: int) -> int:
+        mine = self.paths[self.rank::self.world_size]
+        return sum(math.ceil(sum(self.shard_wanted[p] for p in mine[i::w]) / self.batch_size) for i in range(w))
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        """The batches of `epoch` from index `start` on (resume), each a default-collated dict."""
+        start_batch = start
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch {start_batch} outside 0..{self.batches_per_epoch}")
+        if start_batch and not self.train:
+            raise ValueError("resume (start_batch > 0) is for training loaders")
+        w = max(1, self.num_workers)
+        k0 = start_batch // w * w
+        per_worker = self.batches_per_epoch // w if self.train else None
+        ds = _EpochStream(self._cfg, epoch, k0 // w, per_worker)
+        # a private generator: the DataLoader's worker seeds never consume the global torch RNG
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers, generator=gen)
+                  if self.num_workers > 0 else ds)
+        before = Counter(self.stats)
+        for i, item in enumerate(it, start=k0):
+            self.stats.update(item["stats"])
+            if i >= start_batch:
+                self.stats["batches"] += 1
+                yield item["batch"]
+        delta = {k: v - before.get(k, 0) for k, v in self.stats.items() if v != before.get(k, 0)}
+        log.info("epoch %d (%s, method %s): %s", epoch, "train" if self.train else "eval", self.method.name, delta)

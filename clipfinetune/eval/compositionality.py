@@ -1,0 +1,199 @@
+"""Compositionality: SugarCrepe, ARO VG-Relation / VG-Attribution, VALSE, Winoground (BENCHMARKS §4).
+COCO/Flickr-Order live in `aro_order.py`.
+
+Tie rules follow each official script: SugarCrepe `pos > neg` (strict; ties wrong); ARO VG-R/VG-A
+`argmax([false, true]) == 1` (ties -> index 0 -> wrong); VALSE `s(caption) > s(foil)` (strict);
+Winoground's text/image scores are strict inequalities.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clipfinetune.eval.encode import Encoder, resolve_image
+from clipfinetune.io import InputError
+
+SUGARCREPE_TASKS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")
+
+# ARO's "symmetric" relations, excluded from the VG-Relation macro accuracy: verbatim from
+# mertyg/vision-language-models-are-bows, notebooks/"Replicate ARO! VG-Relation, VG-Attribution.ipynb" (MIT).
+ARO_SYMMETRIC_RELATIONS = frozenset([
+    'adjusting', 'attached to', 'between', 'bigger than', 'biting', 'boarding', 'brushing', 'chewing',
+    'cleaning', 'climbing', 'close to', 'coming from', 'coming out of', 'contain', 'crossing', 'dragging',
+    'draped over', 'drinking', 'drinking from', 'driving', 'driving down', 'driving on', 'eating from',
+    'eating in', 'enclosing', 'exiting', 'facing', 'filled with', 'floating in', 'floating on', 'flying',
+    'flying above', 'flying in', 'flying over', 'flying through', 'full of', 'going down', 'going into',
+    'going through', 'grazing in', 'growing in', 'growing on', 'guiding', 'hanging from', 'hanging in',
+    'hanging off', 'hanging over', 'higher than', 'holding onto', 'hugging', 'in between', 'jumping off',
+    'jumping on', 'jumping over', 'kept in', 'larger than', 'leading', 'leaning over', 'leaving', 'licking',
+    'longer than', 'looking in', 'looking into', 'looking out', 'looking over', 'looking through',
+    'lying next to', 'lying on top of', 'making', 'mixed with', 'mounted on', 'moving', 'on the back of',
+    'on the edge of', 'on the front of', 'on the other side of', 'opening', 'painted on', 'parked at',
+    'parked beside', 'parked by', 'parked in', 'parked in front of', 'parked near', 'parked next to',
+    'perched on', 'petting', 'piled on', 'playing', 'playing in', 'playing on', 'playing with', 'pouring',
+    'reaching for', 'reading', 'reflected on', 'riding on', 'running in', 'running on', 'running through',
+    'seen through', 'sitting behind', 'sitting beside', 'sitting by', 'sitting in front of', 'sitting near',
+    'sitting next to', 'sitting under', 'skiing down', 'skiing on', 'sleeping in', 'sleeping on',
+    'smiling at', 'sniffing', 'splashing', 'sprinkled on', 'stacked on', 'standing against',
+    'standing around', 'standing behind', 'standing beside', 'standing in front of', 'standing near',
+    'standing next to', 'staring at', 'stuck in', 'surrounding', 'swimming in', 'swinging', 'talking to',
+    'topped with', 'touching', 'traveling down', 'traveling on', 'tying', 'typing on', 'underneath',
+    'wading in', 'waiting for', 'walking across', 'walking by', 'walking down', 'walking next to',
+    'walking through', 'working in', 'working on', 'worn on', 'wrapped around', 'wrapped in', 'by', 'of',
+    'near', 'next to', 'with', 'beside', 'on the side of', 'around'])
+VGA_MIN_COUNT = 25
+
+
+def pair_scores(encoder: Encoder, images, texts) -> np.ndarray:
+    """[N] cosine s(image_i, text_i) for aligned lists of image keys and texts."""
+    img, txt = encoder.images(images), encoder.texts(texts)
+    return (img * txt).sum(-1).numpy()
+
+
+# ---------------------------------------------------------------- SugarCrepe
+def read_sugarcrepe(directory, images_root) -> dict[str, list[dict]]:
+    """{task: [{image, caption, negative_caption}]} for each of the seven files present (dict keyed by
+    possibly non-contiguous string ids, kept in file order)."""
+    out = {}
+    for task in SUGARCREPE_TASKS:
+        f = Path(directory) / f"{task}.json"
+        if not f.is_file():
+            continue
+        recs = []
+        for key, r in json.loads(f.read_text()).items():
+            recs.append({"image": resolve_image(r["filename"], images_root, f"{task}:{key}"),
+                         "caption": r["caption"], "negative_caption": r["negative_caption"]})
+        out[task] = recs
+    if not out:
+        raise InputError(directory, None, f"no SugarCrepe files ({', '.join(SUGARCREPE_TASKS)}.json)")
+    return out
+
+
+def evaluate_sugarcrepe(encoder: Encoder, data: dict[str, list[dict]]) -> dict:
+    out = {}
+    for task, recs in data.items():
+        keys = [(r["image"], None) for r in recs]
+        pos = pair_scores(encoder, keys, [r["caption"] for r in recs])
+        neg = pair_scores(encoder, keys, [r["negative_caption"] for r in recs])
+        out[task] = 100.0 * float((pos > neg).mean())            # strict: ties wrong (main_eval.py)
+    out["mean"] = float(np.mean([out[t] for t in data]))
+    out["n_tasks"] = len(data)
+    return out
+
+
+# ---------------------------------------------------------------- ARO VG-Relation / VG-Attribution
+def _vg_cases(path, images_root):
+    recs = json.loads(Path(path).read_text())
+    keys = []
+    for i, r in enumerate(recs):
+        x, y, w, h = (float(r[k]) for k in ("bbox_x", "bbox_y", "bbox_w", "bbox_h"))
+        keys.append((resolve_image(r["image_path"], images_root, i), (x, y, x + w, y + h)))
+    return recs, keys
+
+
+def vg_correct(encoder: Encoder, recs, keys) -> np.ndarray:
+    """ARO: options [false, true], argmax == 1 (ties -> 0 -> wrong) == s(true) > s(false)."""
+    t = pair_scores(encoder, keys, [r["true_caption"] for r in recs])
+    f = pair_scores(encoder, keys, [r["false_caption"] for r in recs])
+    return t > f
+
+
+def macro_accuracy(correct, groups, exclude=frozenset(), min_count: int = 1):
+    """Mean over groups (not excluded, >= min_count cases) of per-group accuracy, in percent; None if none."""
+    correct, groups = np.asarray(correct, dtype=np.float64), np.asarray(groups, dtype=object)
+    accs = [correct[groups == g].mean() for g in sorted(set(groups.tolist()))
+            if g not in exclude and (groups == g).sum() >= min_count]
+    return (100.0 * float(np.mean(accs)) if accs else None), len(accs)
+
+
+def evaluate_vg(encoder: Encoder, directory, images_root, vga_min_count: int = VGA_MIN_COUNT) -> dict:
+    """VG-R: per-relation accuracy, mean over non-symmetric relations. VG-A: per attribute pair
+    `a0_a1` accuracy, mean over pairs with >= 25 cases. Either file may be absent (-> not reported)."""
+    out = {}
+    rel_f, att_f = Path(directory) / "visual_genome_relation.json", Path(directory) / "visual_genome_attribution.json"
+    if rel_f.is_file():
+        recs, keys = _vg_cases(rel_f, images_root)
+        ok = vg_correct(encoder, recs, keys)
+        out["vg_relation"], out["n_vg_relation_groups"] = macro_accuracy(
+            ok, [r["relation_name"] for r in recs], exclude=ARO_SYMMETRIC_RELATIONS)
+        out["vg_relation_micro"] = 100.0 * float(ok.mean())
+    if att_f.is_file():
+        recs, keys = _vg_cases(att_f, images_root)
+        ok = vg_correct(encoder, recs, keys)
+        out["vg_attribution"], out["n_vg_attribution_groups"] = macro_accuracy(
+            ok, [f"{r['attributes'][0]}_{r['attributes'][1]}" for r in recs], min_count=vga_min_count)
+        out["vg_attribution_micro"] = 100.0 * float(ok.mean())
+    return out
+
+
+# ---------------------------------------------------------------- VALSE
+def read_valse(directory, images) -> dict[str, list[dict]]:
+    """{piece: valid samples}; valid = mturk.caption >= 2 (VALSE README). `images` is one root or a
+    {piece or sample "dataset": root} mapping (the pieces come from different image sources)."""
+    out = {}
+    for f in sorted(Path(directory).glob("*.json")):
+        valid = []
+        for key, s in json.loads(f.read_text()).items():
+            if int((s.get("mturk") or {}).get("caption", 0)) < 2:
+                continue
+            root = images.get(f.stem) or images.get(s.get("dataset")) if isinstance(images, dict) else images
+            valid.append({"image": resolve_image(s["image_file"], root, f"{f.stem}:{key}"),
+                          "caption": s["caption"], "foil": s["foil"]})
+        out[f.stem] = valid
+    if not out:
+        raise InputError(directory, None, "no VALSE piece files (*.json)")
+    return out
+
+
+def evaluate_valse(encoder: Encoder, data: dict[str, list[dict]]) -> dict:
+    out = {}
+    for piece, recs in data.items():
+        if not recs:
+            out[piece] = None
+            continue
+        keys = [(r["image"], None) for r in recs]
+        c = pair_scores(encoder, keys, [r["caption"] for r in recs])
+        f = pair_scores(encoder, keys, [r["foil"] for r in recs])
+        out[piece] = 100.0 * float((c > f).mean())               # acc_r, strict
+    vals = [v for v in out.values() if v is not None]
+    out["mean"] = float(np.mean(vals)) if vals else None
+    out["n_valid"] = sum(len(r) for r in data.values())
+    return out
+
+
+# ---------------------------------------------------------------- Winoground
+def read_winoground(directory) -> list[dict]:
+    """Offline form: `examples.jsonl` ({id, caption_0, caption_1, [image_0, image_1 file names]}) and
+    images `ex_<id>_img_{0,1}.png` beside it."""
+    d = Path(directory)
+    f = d / "examples.jsonl"
+    if not f.is_file():
+        raise InputError(f, None, "Winoground examples.jsonl not found")
+    out = []
+    for line in f.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        imgs = [r.get(f"image_{k}") if isinstance(r.get(f"image_{k}"), str) else f"ex_{r['id']}_img_{k}.png"
+                for k in (0, 1)]
+        out.append({"images": [resolve_image(i, d, r["id"]) for i in imgs],
+                    "captions": [r["caption_0"], r["caption_1"]]})
+    return out
+
+
+def winoground_scores(s: np.ndarray) -> dict:
+    """s [N, 2 captions, 2 images] -> text/image/group scores in percent (Thrush et al. 2022)."""
+    text = (s[:, 0, 0] > s[:, 1, 0]) & (s[:, 1, 1] > s[:, 0, 1])
+    image = (s[:, 0, 0] > s[:, 0, 1]) & (s[:, 1, 1] > s[:, 1, 0])
+    return {"text": 100.0 * float(text.mean()), "image": 100.0 * float(image.mean()),
+            "group": 100.0 * float((text & image).mean())}
+
+
+def evaluate_winoground(encoder: Encoder, data: list[dict]) -> dict:
+    img = encoder.images([(p, None) for r in data for p in r["images"]]).reshape(len(data), 2, -1)
+    txt = encoder.texts([c for r in data for c in r["captions"]]).reshape(len(data), 2, -1)
+    s = torch.einsum("ncd,nid->nci", txt, img).numpy()
+    return {**winoground_scores(s), "n": len(data)}

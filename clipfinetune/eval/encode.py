@@ -1,0 +1,130 @@
+"""Batched, cached access to a model through the DEVELOPERS.md model API, and image loading.
+
+Everything the evaluation asks of a model goes through `Encoder`: `transform`, `tokenize`,
+`encode_image`, `encode_text`, `region_features` (and `image_size` for box conversion). Embeddings
+are cached per image (path + crop box) and per text for one run, so benchmarks that share the val
+images (retrieval, SugarCrepe, ...) encode each image once.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from clipfinetune.boxes import resize_boxes
+from clipfinetune.io import InputError
+
+ImageKey = tuple  # (path: str, crop: tuple[float, float, float, float] | None)
+
+
+def load_image(path: str | os.PathLike, crop=None, record=None) -> Image.Image:
+    """RGB PIL image, optionally cropped to an xyxy box in original pixels; clear error if missing."""
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+    except FileNotFoundError:
+        raise InputError(path, record, "image file not found") from None
+    except OSError as e:
+        raise InputError(path, record, f"unreadable image: {e}") from None
+    if crop is not None:
+        im = im.crop(tuple(int(round(float(v))) for v in crop))
+    return im
+
+
+def resolve_image(name: str, root: str | os.PathLike | None, record=None) -> str:
+    """Find an image named in an annotation file: `root/name`, else `name` as given, else
+    `root/<basename>` (for lists that ship a placeholder prefix, e.g. GOAL's "chage/path/to/...")."""
+    candidates = []
+    if root:
+        candidates.append(Path(root) / name)
+    candidates.append(Path(name))
+    if root:
+        candidates.append(Path(root) / Path(name).name)
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise InputError(candidates[0], record, f"image not found (also tried {[str(c) for c in candidates[1:]]})")
+
+
+class Encoder:
+    """Normalised embeddings of images, texts and boxes, batched under inference_mode."""
+
+    def __init__(self, model, batch_size: int = 128):
+        self.model, self.batch_size = model, int(batch_size)
+        self._images: dict = {}
+        self._texts: dict = {}
+
+    def _device(self):
+        try:
+            return next(self.model.parameters()).device
+        except (AttributeError, StopIteration):
+            return torch.device("cpu")
+
+    @torch.inference_mode()
+    def images(self, keys: Sequence[ImageKey]) -> torch.Tensor:
+        """keys: (path, crop-or-None) -> [N, D] L2-normalised image embeddings."""
+        keys = [(str(p), None if c is None else tuple(float(v) for v in c)) for p, c in keys]
+        todo = list(dict.fromkeys(k for k in keys if k not in self._images))
+        for s in range(0, len(todo), self.batch_size):
+            chunk = todo[s:s + self.batch_size]
+            x = torch.stack([self.model.transform(load_image(p, c)) for p, c in chunk]).to(self._device())
+            emb = F.normalize(self.model.encode_image(x, normalize=True).float(), dim=-1).cpu()
+            self._images.update(zip(chunk, emb))
+        return torch.stack([self._images[k] for k in keys]) if keys else torch.zeros(0, 0)
+
+    @torch.inference_mode()
+    def texts(self, texts: Sequence[str]) -> torch.Tensor:
+        """[N, D] L2-normalised text embeddings (the model's own tokenizer and context length)."""
+        texts = [str(t) for t in texts]
+        todo = list(dict.fromkeys(t for t in texts if t not in self._texts))
+        for s in range(0, len(todo), self.batch_size):
+            chunk = todo[s:s + self.batch_size]
+            tok = self.model.tokenize(chunk).to(self._device())
+            emb = F.normalize(self.model.encode_text(tok, normalize=True).float(), dim=-1).cpu()
+            self._texts.update(zip(chunk, emb))
+        return torch.stack([self._texts[t] for t in texts]) if texts else torch.zeros(0, 0)
+
+    @torch.inference_mode()
+    def regions(self, images: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """images: (path, boxes [n, 4] xyxy in ORIGINAL pixels) -> [sum n, D] normalised region features.
+
+        Boxes are mapped to the model's input pixels once, with `clipfinetune.boxes.resize_boxes`.
+        """
+        out = []
+        size = self.model.image_size
+        for s in range(0, len(images), max(1, self.batch_size)):
+            chunk = images[s:s + self.batch_size]
+            pils = [load_image(p) for p, _ in chunk]
+            x = torch.stack([self.model.transform(im) for im in pils]).to(self._device())
+            boxes = [resize_boxes(torch.as_tensor(b, dtype=torch.float32).reshape(-1, 4), im.size, size)
+                     .to(self._device()) for im, (_, b) in zip(pils, chunk)]
+            feats = self.model.region_features(x, boxes)
+            out.append(F.normalize(feats.float(), dim=-1).cpu())
+        return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+def text_classifier(encoder: Encoder, classnames: Sequence[str], templates: Sequence) -> torch.Tensor:
+    """Prompt ensemble [C, D]: per class, mean of normalised template embeddings, renormalised
+    (open_clip `build_zero_shot_classifier`, CLIP_benchmark, FineCLIP all compute this).
+
+    A template is a str with `{c}` / `{}` (and optionally `{article}`), or a callable(classname).
+    """
+    rows = []
+    for name in classnames:
+        texts = [fill_template(t, name) for t in templates]
+        rows.append(F.normalize(encoder.texts(texts).mean(0), dim=-1))
+    return torch.stack(rows)
+
+
+def article(name: str) -> str:
+    return "an" if name[:1].lower() in "aeiou" else "a"
+
+
+def fill_template(template, name: str) -> str:
+    if callable(template):
+        return template(name)
+    return template.replace("{c}", name).replace("{article}", article(name)).replace("{}", name)

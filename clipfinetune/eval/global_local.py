@@ -1,0 +1,140 @@
+"""GOAL's global-local mAP@10 (`mAP_goal_jointtest.py`, BENCHMARKS §7) in two modes.
+
+Test list (BENCHMARKS §7.1, written by the `lism` stage): global records `{filename, caption}` and local
+records `{filename: ".../<stem>.jpg_results/<crop>.png", caption: <sentence>, similarity_score}`.
+A record is local when its parent folder ends in `_results` (or it says `"kind": "local"`).
+Group id: a global's file stem; a local's parent folder minus `_results` and the extension.
+A local crop file that is absent may be given as a box on its global image instead
+(`box` xyxy or GOAL's `bbox_coordinates` {x1, y1, x2, y2}, original pixels).
+
+* mode "linked" (the intended protocol; reported as the headline): I2T - a global query's relevant
+  captions are its own and its locals'; a local query's are its own and its global's. T2I (one query
+  per unique caption) mirrors it with images.
+* mode "as_shipped": GOAL's code as published, whose basename-vs-full-path lookups never match, so
+  every query's only relevant item is its own pair (relevant = same caption string).
+AP@k = sum over hits in the top k of hits/(rank+1), divided by |relevant| (GOAL's normalisation);
+ties rank negatives first (`ranking.py`). Reported x100.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from clipfinetune.eval.encode import Encoder, resolve_image
+from clipfinetune.eval.ranking import average_precision_at_k
+from clipfinetune.io import InputError
+
+
+@dataclass
+class JointRecord:
+    image: tuple          # (path, crop box or None)
+    caption: str
+    group: str
+    is_local: bool
+
+
+def _is_local(rec: dict) -> bool:
+    if "kind" in rec:
+        return rec["kind"] == "local"
+    return Path(rec["filename"]).parent.name.endswith("_results")
+
+
+def group_id(rec: dict) -> str:
+    p = Path(rec["filename"])
+    if _is_local(rec):
+        name = p.parent.name
+        name = name[: -len("_results")] if name.endswith("_results") else name
+        return rec.get("group") or Path(name).stem
+    return rec.get("group") or p.stem
+
+
+def _local_box(rec: dict):
+    if rec.get("box") is not None:
+        return [float(v) for v in rec["box"]]
+    b = rec.get("bbox_coordinates")
+    if b:
+        return [float(b["x1"]), float(b["y1"]), float(b["x2"]), float(b["y2"])]
+    return None
+
+
+def _resolve_first(name: str, roots, record) -> str | None:
+    for root in roots:
+        try:
+            return resolve_image(name, root, record)
+        except InputError:
+            pass
+    return None
+
+
+def read_joint_list(path, images_root) -> list[JointRecord]:
+    """Paths resolve against the list's folder first (the `lism` stage writes them relative to it), then
+    `images_root` (also by basename, for GOAL's shipped placeholder prefixes)."""
+    raw = json.loads(Path(path).read_text())
+    base = Path(path).parent
+    globals_: dict[str, str] = {}
+    for i, rec in enumerate(raw):
+        if not _is_local(rec):
+            found = _resolve_first(rec["filename"], (base, images_root), i)
+            if found is None:
+                raise InputError(path, i, f"global image {rec['filename']!r} not found under {base} or {images_root}")
+            globals_[group_id(rec)] = found
+    out = []
+    for i, rec in enumerate(raw):
+        g, local = group_id(rec), _is_local(rec)
+        if not local:
+            out.append(JointRecord((globals_[g], None), rec["caption"], g, False))
+            continue
+        if g not in globals_:
+            raise InputError(path, i, f"local record of group {g!r} has no global record")
+        found = _resolve_first(rec["filename"], (base, images_root), i)
+        image = (found, None) if found else None
+        if image is None:
+            box = _local_box(rec)
+            if box is None:
+                raise InputError(path, i, f"local crop {rec['filename']!r} not found and no box given")
+            image = (globals_[g], box)
+        out.append(JointRecord(image, rec["caption"], g, True))
+    return out
+
+
+def relevance(records: list[JointRecord], mode: str) -> np.ndarray:
+    """[R, R] bool: image of record i is relevant to caption of record j (and vice versa)."""
+    n = len(records)
+    caps = np.array([r.caption for r in records], dtype=object)
+    same_caption = caps[:, None] == caps[None, :]
+    if mode == "as_shipped":
+        return same_caption
+    if mode != "linked":
+        raise ValueError(f"mode must be linked|as_shipped, got {mode!r}")
+    groups = np.array([r.group for r in records], dtype=object)
+    local = np.array([r.is_local for r in records])
+    same_group = groups[:, None] == groups[None, :]
+    # global <-> every member of its group; local <-> itself and its group's global(s)
+    linked = same_group & (~local[:, None] | ~local[None, :])
+    return linked | same_caption | np.eye(n, dtype=bool)
+
+
+def map_at_k(sims: np.ndarray, records: list[JointRecord], mode: str, k: int = 10) -> dict[str, float]:
+    """sims [R, R] image i x caption j. I2T over all R image queries; T2I over unique captions."""
+    rel = relevance(records, mode)
+    i2t = average_precision_at_k(sims, rel, k).mean()
+    caps = [r.caption for r in records]
+    first = list(dict.fromkeys(caps))
+    cols = [caps.index(c) for c in first]
+    rel_t2i = np.stack([rel[:, j] for j in cols])              # [U, R]: images relevant to caption
+    t2i = average_precision_at_k(sims[:, cols].T, rel_t2i, k).mean()
+    return {"i2t": 100.0 * float(i2t), "t2i": 100.0 * float(t2i)}
+
+
+def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int = 10) -> dict[str, float]:
+    img = encoder.images([r.image for r in records])
+    txt = encoder.texts([r.caption for r in records])
+    sims = (img @ txt.T).numpy()
+    linked = map_at_k(sims, records, "linked", k)
+    shipped = map_at_k(sims, records, "as_shipped", k)
+    return {f"i2t_map{k}": linked["i2t"], f"t2i_map{k}": linked["t2i"],
+            f"i2t_map{k}_as_shipped": shipped["i2t"], f"t2i_map{k}_as_shipped": shipped["t2i"],
+            "n_records": len(records), "n_local": sum(r.is_local for r in records)}

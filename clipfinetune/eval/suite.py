@@ -1,0 +1,104 @@
+"""The whole evaluation suite on one model: benchmark configs in, one nested metrics dict out.
+
+`benchmarks` has the shape of params.yaml `eval.benchmarks`: {task: {set name: {paths...}}}. A task or
+set that is missing or empty is skipped and listed under `"skipped"` (never silently); a configured
+benchmark whose files are missing is an error naming the file. Output keys (percent, 0-100):
+  retrieval.<set>.{i2t,t2i}_r{1,5,10}          long_retrieval.<set>.{i2t,t2i}_r{1,5,25,50}
+  global_local.<set>.{i2t,t2i}_map10[_as_shipped]
+  box_cls.<set>, box_cls_hard.<set>.{top1,top5,macc1,macc5}
+  compositionality.sugarcrepe.<set>.{<7 tasks>,mean}   compositionality.aro.<set>.{vg_relation,vg_attribution,coco_order}
+  compositionality.valse.<set>.{<piece>,mean}          compositionality.winoground.<set>.{text,image,group}
+  zeroshot.<set>.{acc1,acc5,mean_per_class}
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from clipfinetune.eval import aro_order, box_cls, compositionality as comp, global_local, long_retrieval
+from clipfinetune.eval import retrieval, zeroshot
+from clipfinetune.eval.encode import Encoder
+
+log = logging.getLogger(__name__)
+
+TASKS = ("retrieval", "long_retrieval", "global_local", "box_cls", "box_cls_hard",
+         "sugarcrepe", "aro", "valse", "winoground", "zeroshot")
+COMPOSITIONAL = {"sugarcrepe", "aro", "valse", "winoground"}
+
+
+def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str) -> dict:
+    out = {}
+    if cfg.get("dir"):
+        images = cfg.get("images") or str(Path(cfg["dir"]) / "images")
+        out.update(comp.evaluate_vg(enc, cfg["dir"], images, int(cfg.get("vga_min_count", comp.VGA_MIN_COUNT))))
+    for name in ("coco_order", "flickr_order"):
+        if cfg.get(name):
+            data = retrieval.read_blip_list(cfg[name], cfg.get(f"{name}_images"))
+            res = aro_order.evaluate_order(enc, aro_order.build_order_cases(data, seed=int(cfg.get("order_seed", seed))))
+            out[name], out[f"n_{name}"] = res["precision_at_1"], res["n"]
+        else:
+            skipped[f"{where}.{name}"] = "not configured"
+    return out
+
+
+def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped: dict, where: str,
+                  aro_seed: int = 1) -> dict:
+    if task == "retrieval":
+        return retrieval.evaluate_retrieval(enc, retrieval.load_retrieval_set(cfg))
+    if task == "long_retrieval":
+        return long_retrieval.evaluate_long_retrieval(enc, long_retrieval.load_long_set(cfg))
+    if task == "global_local":
+        return global_local.evaluate_global_local(enc, global_local.read_joint_list(cfg["test_list"], cfg.get("images")))
+    if task in ("box_cls", "box_cls_hard"):
+        return box_cls.evaluate_box_cls(enc, box_cls.load_box_set(cfg), text_enc)
+    if task == "sugarcrepe":
+        return comp.evaluate_sugarcrepe(enc, comp.read_sugarcrepe(cfg["dir"], cfg.get("images")))
+    if task == "aro":
+        return _aro(enc, cfg, aro_seed, skipped, where)
+    if task == "valse":
+        return comp.evaluate_valse(enc, comp.read_valse(cfg["dir"], cfg.get("images")))
+    if task == "winoground":
+        return comp.evaluate_winoground(enc, comp.read_winoground(cfg["dir"]))
+    if task == "zeroshot":
+        return zeroshot.evaluate_zeroshot(enc, zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test")))
+    raise ValueError(f"unknown evaluation task {task!r}")
+
+
+def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_model=None,
+                   text_encoder: str = "own", aro_seed: int = 1) -> dict:
+    """Run every configured benchmark. `text_model` (e.g. the base model) scores box classes when
+    `text_encoder == "base"`; the choice is recorded under meta."""
+    benchmarks = benchmarks or {}
+    enc = Encoder(model, batch_size)
+    if text_encoder == "base":
+        if text_model is None:
+            raise ValueError("box_cls text_encoder 'base' needs the base model")
+        text_enc = Encoder(text_model, batch_size)
+    elif text_encoder == "own":
+        text_enc = enc
+    else:
+        raise ValueError(f"box_cls text_encoder must be own|base, got {text_encoder!r}")
+    metrics: dict = {"skipped": {}, "meta": {"box_cls_text_encoder": text_encoder}}
+    skipped = metrics["skipped"]
+    unknown = set(benchmarks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown benchmark tasks in config: {sorted(unknown)} (known: {TASKS})")
+    for task in TASKS:
+        sets = benchmarks.get(task) or {}
+        if not sets:
+            skipped[task] = "not configured"
+            continue
+        for name, cfg in sets.items():
+            where = f"compositionality.{task}.{name}" if task in COMPOSITIONAL else f"{task}.{name}"
+            if not cfg:
+                skipped[where] = "not configured"
+                continue
+            t0 = time.perf_counter()
+            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed)
+            log.info("%s: %.1fs %s", where, time.perf_counter() - t0,
+                     {k: round(v, 2) for k, v in res.items() if isinstance(v, float)})
+            node = metrics.setdefault("compositionality", {}).setdefault(task, {}) if task in COMPOSITIONAL \
+                else metrics.setdefault(task, {})
+            node[name] = res
+    return metrics

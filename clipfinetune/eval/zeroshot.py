@@ -1,0 +1,82 @@
+"""Zero-shot classification, open_clip / CLIP_benchmark style (BENCHMARKS §6).
+
+Layout: `<dir>/test/<class folder>/*.{jpg,png,...}` (ImageFolder: class index = sorted folder names),
+`<dir>/classnames.txt` (line i = name of class i; default: the folder names) and templates in
+`<dir>/templates.txt` (one per line, `{c}` or `{}` placeholder) or `<dir>/templates.json`
+(CLIP_benchmark: {"<dataset>": [...]} or a plain list); default: "a photo of a {c}.".
+Classifier: per class, mean of the normalised template embeddings, renormalised (open_clip
+`build_zero_shot_classifier`). Metrics: acc1, acc5 (null with < 5 classes, as CLIP_benchmark's NaN),
+mean_per_class = mean per-class recall over classes present (sklearn `balanced_accuracy_score`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from clipfinetune.eval.encode import Encoder, text_classifier
+from clipfinetune.eval.ranking import mean_per_class, topk_hits
+from clipfinetune.io import InputError
+
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
+
+
+@dataclass
+class ZeroShotSet:
+    images: list[str]
+    labels: list[int]
+    classnames: list[str]
+    templates: list[str]
+
+
+def read_templates(directory: Path) -> list[str]:
+    if (directory / "templates.txt").is_file():
+        t = [ln.strip() for ln in (directory / "templates.txt").read_text().splitlines() if ln.strip()]
+    elif (directory / "templates.json").is_file():
+        data = json.loads((directory / "templates.json").read_text())
+        t = data if isinstance(data, list) else next(iter(data.values()))
+    else:
+        t = ["a photo of a {c}."]
+    bad = [x for x in t if "{c}" not in x and "{}" not in x]
+    if bad:
+        raise InputError(directory / "templates", bad[0], "template without a {c} / {} placeholder")
+    return list(t)
+
+
+def read_image_folder(directory, split: str = "test") -> ZeroShotSet:
+    d = Path(directory)
+    root = d / split if (d / split).is_dir() else d
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    if not folders:
+        raise InputError(root, None, "no class folders")
+    images, labels = [], []
+    for i, f in enumerate(folders):
+        files = sorted(p for p in f.iterdir() if p.suffix.lower() in IMAGE_EXTS)
+        images += [str(p) for p in files]
+        labels += [i] * len(files)
+    names_file = d / "classnames.txt"
+    if names_file.is_file():
+        names = [ln.strip() for ln in names_file.read_text().splitlines() if ln.strip()]
+        if len(names) != len(folders):
+            raise InputError(names_file, None, f"{len(names)} class names for {len(folders)} class folders")
+    else:
+        names = [f.name.replace("_", " ") for f in folders]
+    return ZeroShotSet(images, labels, names, read_templates(d))
+
+
+def zeroshot_metrics(logits, labels) -> dict:
+    labels = np.asarray(labels)
+    top1 = topk_hits(logits, labels, 1)
+    out = {"acc1": 100.0 * float(top1.mean()), "mean_per_class": mean_per_class(top1, labels)}
+    out["acc5"] = 100.0 * float(topk_hits(logits, labels, 5).mean()) if logits.shape[1] >= 5 else None
+    return out
+
+
+def evaluate_zeroshot(encoder: Encoder, data: ZeroShotSet) -> dict:
+    w = text_classifier(encoder, data.classnames, data.templates)          # [C, D], unit rows
+    img = encoder.images([(p, None) for p in data.images])
+    out = zeroshot_metrics((img @ w.T).numpy(), data.labels)
+    out.update(n_images=len(data.images), n_classes=len(data.classnames))
+    return out

@@ -1,0 +1,66 @@
+"""The Method protocol of DEVELOPERS.md as a base class with the optional parts filled in.
+
+The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
+loop. Construction: `cls(**config)`, where `config` holds the run's declared loss/method keys flattened to their
+last key (`loss.lambda_l` -> `lambda_l`, `ablations.<run>.lambda_l` -> `lambda_l`, `custom.terms` -> `terms`,
+`model.unlocked_vision_layers` -> `unlocked_vision_layers`, `sentences.max_sentences` -> `max_sentences`) plus
+the keys of `train.<method>` that the method lists in `train_keys` (e.g. MulCLIP's `new_module_lr`).
+A subclass either names its keyword arguments (a typo in params.yaml then fails loudly) or reads `self.config`.
+
+Features returned by `build(model)(batch)` must be tensors whose dim 0 indexes the batch's samples, or 0-dim
+tensors shared by the batch (e.g. `logit_scale`): with `accum_steps > 1` the loop concatenates micro-batches'
+features along dim 0 (open_clip's feature cache) before calling the loss.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from torch import nn
+
+
+class Method:
+    name: str = ""
+    train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
+    find_unused_parameters: bool = False        # DDP: True if some trainable params may skip a forward
+
+    def __init__(self, **config: Any):
+        self.config = dict(config)
+
+    # ----------------------------------------------------------------------------------- data (loader workers)
+    def wants(self, record: dict) -> bool:
+        """Does this shard record carry the fields this method needs?"""
+        return True
+
+    def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
+        """One training example (tensors/ints only) from a shard record and its decoded PIL image."""
+        raise NotImplementedError(f"{type(self).__name__}.make_example")
+
+    # ----------------------------------------------------------------------------------- model and loss
+    def build(self, model) -> nn.Module:
+        """The module the trainer optimises (and DDP wraps): forward(batch) -> features dict."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def loss(self) -> nn.Module:
+        """forward(features) -> {term name: weighted scalar tensor}; the trainer sums and logs them."""
+        raise NotImplementedError(f"{type(self).__name__}.loss")
+
+    # ----------------------------------------------------------------------------------- optional hooks
+    def param_groups(self, module: nn.Module) -> list[dict]:
+        """Extra optimiser groups: [{"name", "params", "lr"[, "weight_decay"]}]; the rest uses `train.lr`."""
+        return []
+
+    def after_step(self, module: nn.Module) -> None:
+        """Called after every optimiser step (e.g. DeGLA's EMA teacher update)."""
+
+    def final_model(self, module: nn.Module, model):
+        """The ClipModel to export after training (e.g. with LoRA merged); default: the model itself."""
+        return model
+
+    def state_dict(self) -> dict:
+        """Extra state to checkpoint beyond `module.state_dict()` (teachers registered as submodules of the
+        built module are already in it)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,219 @@
+"""`custom`: any mix of the five methods' loss terms, by name (beyond the papers; issue 14).
+
+    custom: {terms: {"fsc_clip.local_hn": 0.5, "degla.distill": 0.005, "harmoclip.global_region": 1.0}}
+
+    L = w_clip * L_clip + sum over "<method>.<term>" of w * term                  (term at its method's lambda = 1)
+
+The mix is a composition of the methods' own `Method` objects; nothing of their glue is re-implemented here.
+
+Decisions:
+- **The plain CLIP contrastive term is always in** (`ClipMethod`: one random short caption per image, symmetric
+  InfoNCE), weight 1 unless `"clip.contrastive"` gives another; `"clip.contrastive": 0` removes it, and with it
+  `ClipMethod`'s data filter (records with short captions). The other methods' always-on global terms (their own
+  `contrastive`) are computed by their loss modules but NOT summed unless named (`"degla.contrastive"` is DeGLA's
+  hard-negative L_base, `"goal.contrastive"` GOAL's long-caption L_global, ...).
+- **Weights replace the methods' lambdas.** Each involved method is built with the lambdas of its requested terms
+  set to 1 and every other lambda 0 (its loss then returns graph-connected zeros for those terms and skips their
+  inputs, its features module skips their forwards, e.g. no teacher without a teacher term); the requested term
+  is then multiplied by its weight. So `"degla.distill": 0.005` is DeGLA's own lambda_distill, and the mix equals
+  the weighted sum of each method's own terms on the same batch (tested). A lambda shared by two terms
+  (GOAL's lambda_tsl: `tsl_image`, `tsl_text`) switches both on; only the named ones are summed. The methods'
+  other settings (focal_gamma, ema_alpha, unlocked_vision_layers, ...) are their defaults: `custom` reads only
+  `custom.terms`.
+- **Data**: a record is wanted only if EVERY involved method wants it, and each method makes its own example from
+  it with the same `rng` (in mix order), so each term sees exactly the data its method would. Fields are namespaced
+  `"<method>.<field>"`, except `image`, which every method computes as `ctx.transform(image)` and which is stored
+  once (a method whose `image` differs is an error: sharing it would silently change that method's input).
+  Consequence: with harmoclip + degla + fsc_clip (+ clip) only COCO records having word regions AND LLM negatives
+  train; mixing a DOCCI method (goal, mulclip) with a COCO one wants nothing (records are one or the other), so
+  goal/mulclip terms need `"clip.contrastive": 0` and no COCO method.
+- **Features computed once where shared**: during the forward the shared model's `image_features`,
+  `encode_image`, `text_features` and `encode_text` are memoised by input tensor (the shared `image` is one
+  tensor object for every method). `encode_*(x)` is served as `*_features(x)["global_"]` (the same computation,
+  bit for bit) and a `dense=False` image request reuses a `dense=True` result. Teachers are separate modules and
+  are not shared. Features are returned flat as `"<method>.<key>"` (the trainer's accumulation cache concatenates
+  them along dim 0).
+- Every method builds on the SAME model (teachers copy it at their build, in mix order). Under DDP, a mix whose
+  discarded terms own parameters (MulCLIP's heads) leaves them without gradient: `find_unused_parameters` is set
+  if any involved method asks for it; MulCLIP's loss-owned modules under DDP in a mix are untested.
+- The trainer sums the returned terms, named `"<method>.<term>"`; the losses' counts are merged into `stats`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import torch
+from torch import nn
+
+from . import build_method
+from .base import Method
+
+# method -> {term: the constructor lambda that switches the term on, None = always computed by its loss}
+TERMS: dict[str, dict[str, str | None]] = {
+    "clip": {"contrastive": None},
+    "harmoclip": {"contrastive": None, "lexeme_region": "lambda_lrc", "global_region": "lambda_gr"},
+    "fsc_clip": {"contrastive": None, "global_hn": "lambda_g", "local_hn": "lambda_l"},
+    "goal": {"contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
+             "tsl_text": "lambda_tsl"},
+    "degla": {"contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"},
+    "mulclip": {"contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
+                "subcaption_patch": "lambda_sub"},
+}
+SHARED_FIELDS = ("image",)
+
+
+def parse_terms(terms: dict) -> dict[str, dict[str, float]]:
+    """{"<method>.<term>": weight} -> {method: {term: weight}} (clip first, then in order); 0 weights dropped."""
+    weights: dict[str, dict[str, float]] = {"clip": {"contrastive": 1.0}}
+    for key, weight in (terms or {}).items():
+        method, _, term = str(key).partition(".")
+        if method not in TERMS or term not in TERMS[method]:
+            known = ", ".join(f"{m}.{t}" for m, ts in TERMS.items() for t in ts)
+            raise ValueError(f"custom.terms: unknown term {key!r}; known: {known}")
+        weight = float(weight)
+        if not math.isfinite(weight):
+            raise ValueError(f"custom.terms: weight of {key!r} is {weight}")
+        weights.setdefault(method, {})[term] = weight
+    weights = {m: {t: w for t, w in ts.items() if w != 0} for m, ts in weights.items()}
+    weights = {m: ts for m, ts in weights.items() if ts}
+    if not weights:
+        raise ValueError("custom.terms: every weight is 0, nothing to train")
+    return weights
+
+
+def method_config(method: str, terms: dict[str, float]) -> dict[str, float]:
+    """The method's lambdas: 1 for the requested terms, 0 for the others."""
+    config = {lam: 0.0 for lam in TERMS[method].values() if lam}
+    config.update({TERMS[method][t]: 1.0 for t in terms if TERMS[method][t]})
+    return config
+
+
+@contextlib.contextmanager
+def shared_features(model):
+    """Memoise the model's feature calls by input tensor for the duration of one forward."""
+    cache: dict = {}
+    image_features, text_features = model.image_features, model.text_features
+    encode_image, encode_text = model.encode_image, model.encode_text
+
+    def memo_image_features(x, dense: bool = False):
+        hit = cache.get(("image", id(x), True)) or cache.get(("image", id(x), dense))
+        if hit is None:
+            hit = cache[("image", id(x), dense)] = (x, image_features(x, dense=dense))
+        return hit[1]
+
+    def memo_text_features(t, trim: bool = True):
+        hit = cache.get(("text", id(t), trim))
+        if hit is None:
+            hit = cache[("text", id(t), trim)] = (t, text_features(t, trim=trim))
+        return hit[1]
+
+    def memo_encode_image(x, normalize: bool = True):
+        return memo_image_features(x)["global_"] if normalize else encode_image(x, normalize=False)
+
+    def memo_encode_text(t, normalize: bool = True):
+        return memo_text_features(t)["global_"] if normalize else encode_text(t, normalize=False)
+
+    patched = {"image_features": memo_image_features, "text_features": memo_text_features,
+               "encode_image": memo_encode_image, "encode_text": memo_encode_text}
+    for name, fn in patched.items():
+        object.__setattr__(model, name, fn)
+    try:
+        yield
+    finally:
+        for name in patched:
+            model.__dict__.pop(name, None)
+
+
+class CustomModule(nn.Module):
+    """The methods' feature modules over one shared model; forward(batch) -> flat "<method>.<key>" features."""
+
+    def __init__(self, model, parts: dict[str, nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleDict(parts)
+        object.__setattr__(self, "shared_model", model)      # registered once per part already
+
+    def forward(self, batch: dict) -> dict:
+        features = {}
+        with shared_features(self.shared_model):
+            for name, part in self.parts.items():
+                prefix = f"{name}."
+                view = {k[len(prefix):]: v for k, v in batch.items() if k.startswith(prefix)}
+                view.update({k: batch[k] for k in SHARED_FIELDS if k in batch})
+                features.update({prefix + k: v for k, v in part(view).items()})
+        return features
+
+
+class CustomLoss(nn.Module):
+    """Each method's loss on its own features; returns w * term for the requested terms, as "<method>.<term>"."""
+
+    def __init__(self, losses: dict[str, nn.Module], weights: dict[str, dict[str, float]]):
+        super().__init__()
+        self.losses = nn.ModuleDict(losses)
+        self.weights = weights
+        self.stats: dict[str, int] = {}
+
+    def forward(self, features: dict) -> dict[str, torch.Tensor]:
+        out, stats = {}, {}
+        for name, loss in self.losses.items():
+            prefix = f"{name}."
+            terms = loss({k[len(prefix):]: v for k, v in features.items() if k.startswith(prefix)})
+            out.update({prefix + t: w * terms[t] for t, w in self.weights[name].items()})
+            stats.update({prefix + k: v for k, v in (getattr(loss, "stats", None) or {}).items()})
+        self.stats = stats
+        return out
+
+
+class CustomMethod(Method):
+    name = "custom"
+
+    def __init__(self, terms: dict | None = None):
+        super().__init__(terms=dict(terms or {}))
+        self.weights = parse_terms(terms or {})
+        self.methods: dict[str, Method] = {m: build_method(m, **method_config(m, ts))
+                                           for m, ts in self.weights.items()}
+        self.find_unused_parameters = any(m.find_unused_parameters for m in self.methods.values())
+
+    def wants(self, record: dict) -> bool:
+        return all(m.wants(record) for m in self.methods.values())
+
+    def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
+        example: dict = {}
+        for name, method in self.methods.items():
+            for key, value in method.make_example(record, image, rng, ctx).items():
+                if key not in SHARED_FIELDS:
+                    example[f"{name}.{key}"] = value
+                elif key not in example:
+                    example[key] = value
+                elif not torch.equal(example[key], value):
+                    raise ValueError(f"custom: method {name!r} makes a different {key!r} for record "
+                                     f"{record.get('image_id')!r}; it cannot share the mix's {key!r}")
+        return example
+
+    def build(self, model) -> nn.Module:
+        return CustomModule(model, {name: m.build(model) for name, m in self.methods.items()})
+
+    def loss(self) -> nn.Module:
+        return CustomLoss({name: m.loss() for name, m in self.methods.items()}, self.weights)
+
+    def param_groups(self, module: nn.Module) -> list[dict]:
+        return [dict(g, name=f"{name}.{g.get('name', i)}")
+                for name, m in self.methods.items()
+                for i, g in enumerate(m.param_groups(module.parts[name]))]
+
+    def after_step(self, module: nn.Module) -> None:
+        for name, m in self.methods.items():
+            m.after_step(module.parts[name])
+
+    def final_model(self, module: nn.Module, model):
+        for name, m in self.methods.items():
+            model = m.final_model(module.parts[name], model)
+        return model
+
+    def state_dict(self) -> dict:
+        return {name: m.state_dict() for name, m in self.methods.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, m in self.methods.items():
+            m.load_state_dict(state.get(name, {}))

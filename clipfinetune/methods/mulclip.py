@@ -1,0 +1,124 @@
+"""MulCLIP: the data and forward glue around `losses.mulclip.MulClipLoss` (no public code; METHODS.md §5).
+
+Data: a DOCCI-source shard record with a long caption and its sentences (sentence 0 = the summary). Example:
+
+    image      [3, S, S]  ctx.transform(image)
+    text       [L]        the long caption, ctx.tokenize_long (L = 248)
+    sub_text   [S', L]    the first S' = max_sentences sentences (empty text where missing), tokenized at 248
+    sub_valid  [S'] bool  sentence i exists
+    (global-only runs, lambda_word = lambda_sub = 0: `short` [L], sentence 0 only, instead of sub_text/sub_valid)
+
+Forward (`MulClipModule`): ONE vision forward (`image_features`: CLS embedding + projected patches) and ONE text
+forward over [long captions; the VALID sentences] (`text_features`; placeholders of missing sentences are not
+encoded, their embedding slots stay zero and are masked by `sub_valid`).
+
+Decisions the paper leaves open (besides those of the loss module):
+- Long-CLIP stretching in `build()` with the first 20 rows frozen (`freeze_kept=True`, Long-CLIP's split; MulCLIP
+  builds on Long-CLIP, METHODS §0.1); a model whose context is already 248 is left as it is.
+- The built module owns the `MulClipLoss` (`module.new_modules`), so its calibration modules and contrast heads are
+  parameters of the module the trainer optimises, DDP wraps and checkpoints; `loss()` returns that same instance
+  (call it after `build()`, as the trainer does), so they are optimised exactly once. `param_groups` puts them in
+  the `new_modules` group at `new_module_lr` (the trainer's decay rule leaves the heads' scale/bias and the
+  calibrations' log-temperature without weight decay).
+- The model's own `logit_scale` is unused by the sigmoid loss (each objective has its own head): it is frozen
+  (`requires_grad=False`) so it neither drifts under weight decay nor leaves DDP waiting for its gradient.
+  New modules a run never uses are frozen as well (global-only: both calibrations and the word/sub heads;
+  lambda_word = 0: the text calibration and the word head; lambda_sub = 0: the sub head).
+- The text states are computed up to the batch's longest text (exact under the causal mask) and zero-padded to
+  248 for the text calibration, which masks padding out of its softmax: identical to encoding all 248 positions.
+- The summary (`contrastive_short`) is sub-caption 0, always present (records without sentences are skipped).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Method
+from .goal import LONG_CONTEXT, stretch_to_long
+
+
+class MulClipModule(nn.Module):
+    """The model + MulCLIP's new modules; forward(batch) -> the features dict of `MulClipLoss`."""
+
+    def __init__(self, model, new_modules: nn.Module, tokens: bool = True):
+        super().__init__()
+        self.model, self.new_modules, self.tokens = model, new_modules, tokens
+
+    def forward(self, batch: dict) -> dict:
+        model = self.model
+        long_text = batch["text"]
+        b = long_text.shape[0]
+        if not self.tokens:                                       # global-only: CLS/EOT embeddings only
+            text = model.encode_text(torch.cat([long_text, batch["short"]]), normalize=True)
+            return {"image": model.encode_image(batch["image"], normalize=True), "text": text[:b],
+                    "text_short": text[b:]}
+        image = model.image_features(batch["image"])
+        sub_tokens, sub_valid = batch["sub_text"], batch["sub_valid"].bool()
+        text = model.text_features(torch.cat([long_text, sub_tokens[sub_valid]]))
+        sub = text["global_"].new_zeros(*sub_valid.shape, text["global_"].shape[1])
+        sub[sub_valid] = text["global_"][b:]
+        pad = LONG_CONTEXT - text["tokens"].shape[1]              # trimmed -> the calibration's 248 slots
+        return {"image": image["global_"], "patches": image["patches"], "text": text["global_"][:b],
+                "text_tokens": F.pad(text["tokens"][:b], (0, 0, 0, pad)),
+                "text_mask": F.pad(text["mask"][:b], (0, pad), value=False),
+                "sub_text": sub, "sub_valid": sub_valid}
+
+
+class MulClipMethod(Method):
+    name = "mulclip"
+    train_keys = frozenset({"new_module_lr"})
+
+    def __init__(self, lambda_short: float = 0.5, lambda_word: float = 1.0, lambda_sub: float = 1.0,
+                 token_ratio: float = 0.5, max_sentences: int = 15, new_module_lr: float | None = None):
+        super().__init__(lambda_short=lambda_short, lambda_word=lambda_word, lambda_sub=lambda_sub,
+                         token_ratio=token_ratio, max_sentences=max_sentences, new_module_lr=new_module_lr)
+        self.lambda_short, self.lambda_word = float(lambda_short), float(lambda_word)
+        self.lambda_sub, self.token_ratio = float(lambda_sub), float(token_ratio)
+        self.max_sentences = int(max_sentences)
+        self.new_module_lr = None if new_module_lr is None else float(new_module_lr)
+        if self.max_sentences < 1:
+            raise ValueError(f"max_sentences must be >= 1 (sentence 0 is the summary), got {max_sentences}")
+        self.tokens = self.lambda_word != 0 or self.lambda_sub != 0
+        self._loss = None
+
+    def wants(self, record: dict) -> bool:
+        return record.get("source") == "docci" and bool(record.get("long_caption")) and bool(record.get("sentences"))
+
+    def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
+        sentences = [s["text"] for s in record["sentences"][:self.max_sentences]]
+        example = {"image": ctx.transform(image), "text": ctx.tokenize_long([record["long_caption"]])[0]}
+        if not self.tokens:
+            return dict(example, short=ctx.tokenize_long(sentences[:1])[0])
+        missing = self.max_sentences - len(sentences)
+        return dict(example, sub_text=ctx.tokenize_long(sentences + [""] * missing),
+                    sub_valid=torch.arange(self.max_sentences) < len(sentences))
+
+    def build(self, model) -> nn.Module:
+        from clipfinetune.losses.mulclip import MulClipLoss
+
+        stretch_to_long(model, freeze_kept=True)                   # Long-CLIP: rows 0..19 frozen
+        model.clip.logit_scale.requires_grad_(False)               # the sigmoid heads carry their own scales
+        loss = MulClipLoss(model.embed_dim, model.num_patches, model.context_length, token_ratio=self.token_ratio,
+                           lambda_short=self.lambda_short, lambda_word=self.lambda_word, lambda_sub=self.lambda_sub,
+                           max_subcaptions=self.max_sentences)
+        unused = [] if self.lambda_word else [loss.text_calibration, loss.heads["word"]]
+        unused += [] if self.lambda_sub else [loss.heads["sub"]]
+        unused += [] if self.tokens else [loss.patch_calibration]
+        for module in unused:
+            module.requires_grad_(False)
+        self._loss = loss
+        return MulClipModule(model, loss, tokens=self.tokens)
+
+    def loss(self) -> nn.Module:
+        if self._loss is None:
+            raise RuntimeError("MulClipMethod.loss() needs build() first: the loss owns modules of the built module")
+        return self._loss
+
+    def param_groups(self, module: nn.Module) -> list[dict]:
+        if self.new_module_lr is None:
+            return []
+        params = [p for p in module.new_modules.parameters() if p.requires_grad]
+        return [{"name": "new_modules", "params": params, "lr": self.new_module_lr}]

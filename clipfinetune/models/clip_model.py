@@ -1,0 +1,216 @@
+"""`ClipModel`: an open_clip CLIP (ViT) with the token-, patch- and region-level views the methods need.
+
+`model.clip` is the untouched open_clip model (its `encode_image`/`encode_text` keep working for
+open_clip tools); everything here runs over its own modules, without a fork.
+
+Decisions the papers leave open:
+- Image tokens come from open_clip's `forward_intermediates` (one forward gives the pooled embedding,
+  the last block's pre-`ln_post` tokens, and, with `dense=True`, the input of the last block for
+  MaskCLIP's dense path). `patches` = ln_post(tokens) @ proj, not normalised, CLS excluded (FSC-CLIP).
+- Text is encoded only up to the batch's longest sequence (its EOT): with CLIP's causal mask no
+  position up to EOT sees later padding, so the trimmed result is exact and costs L_max/77 of the work.
+  `text_features` therefore returns `tokens`/`mask`/`hidden` of length L_max (<= context length); the
+  positions are unchanged, so a `token_span` always indexes inside them. `trim=False` pads to the context.
+- The token mask keeps EOT and drops SOT and padding (FSC-CLIP `model.py` L330-333).
+- `transform` squash-resizes to the model's input size (no centre crop, FineCLIP), so boxes map by
+  `boxes.resize_boxes`; its mean/std/interpolation are the model's own preprocess config.
+"""
+from __future__ import annotations
+
+import copy
+
+import open_clip
+import torch
+import torch.nn.functional as F
+from open_clip.transformer import PatchDropout, QuickGELU, ResidualAttentionBlock, VisionTransformer
+from torch import nn
+
+from . import regions
+from .text import get_tokenizer, token_span
+
+PAD_ID = 0      # open_clip's SimpleTokenizer pads with 0
+
+
+class ClipModel(nn.Module):
+    def __init__(self, clip: nn.Module, model_cfg: dict, tokenizer_source: str, precision: str = "fp32"):
+        super().__init__()
+        _check_supported(clip)
+        self.clip = clip
+        self.model_cfg = copy.deepcopy(model_cfg)
+        self.tokenizer_source = tokenizer_source
+        self.precision = precision
+        self.input_dtype = open_clip.get_input_dtype(precision) or torch.float32
+        preprocess = open_clip.get_model_preprocess_cfg(clip)
+        self.preprocess_cfg = {"size": list(clip.visual.image_size), "mode": "RGB",
+                               "mean": list(preprocess["mean"]), "std": list(preprocess["std"]),
+                               "interpolation": preprocess.get("interpolation", "bicubic"), "resize_mode": "squash"}
+        self.transform = open_clip.image_transform(
+            tuple(clip.visual.image_size), is_train=False, mean=tuple(preprocess["mean"]),
+            std=tuple(preprocess["std"]), resize_mode="squash", interpolation=self.preprocess_cfg["interpolation"])
+
+    # ---- geometry and tokenizer -------------------------------------------------------------------
+    @property
+    def image_size(self) -> int:
+        height, width = self.clip.visual.image_size
+        return height if height == width else (height, width)
+
+    @property
+    def patch_size(self) -> int:
+        height, width = self.clip.visual.patch_size
+        return height if height == width else (height, width)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return tuple(self.clip.visual.grid_size)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def context_length(self) -> int:
+        return self.clip.context_length
+
+    @property
+    def embed_dim(self) -> int:
+        return self.clip.visual.output_dim
+
+    @property
+    def tokenizer(self):
+        """open_clip's tokenizer at the model's current context length (picklable, for loader workers)."""
+        return get_tokenizer(self.tokenizer_source, self.context_length)
+
+    def tokenize(self, texts: str | list[str], context_length: int | None = None) -> torch.Tensor:
+        return get_tokenizer(self.tokenizer_source, context_length or self.context_length)(texts)
+
+    def token_span(self, text: str, char_start: int, char_end: int) -> list[int]:
+        return token_span(self.tokenizer, text, char_start, char_end)
+
+    def box_patch_mask(self, boxes: torch.Tensor) -> torch.Tensor:
+        return regions.box_patch_mask(boxes, self.clip.visual.image_size, self.clip.visual.patch_size)
+
+    # ---- global embeddings -------------------------------------------------------------------------
+    def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        return self.clip.encode_image(image.to(self.input_dtype), normalize=normalize)
+
+    def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        text, hidden = self._text_trunk(text, trim=True)
+        pooled = self.clip.ln_final(hidden[torch.arange(len(text), device=text.device), self._eot_positions(text)])
+        pooled = self._project_text(pooled)
+        return F.normalize(pooled, dim=-1) if normalize else pooled
+
+    def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None) -> dict:
+        return {"image_features": self.encode_image(image) if image is not None else None,
+                "text_features": self.encode_text(text) if text is not None else None,
+                "logit_scale": self.clip.logit_scale.exp()}
+
+    # ---- token-level features ----------------------------------------------------------------------
+    def image_features(self, image: torch.Tensor, dense: bool = False) -> dict[str, torch.Tensor]:
+        """One forward: global_ [B,D] normalised, patches [B,P,D] projected, hidden [B,P,W] pre-ln_post.
+
+        `dense=True` adds `dense` [B,D,gh,gw] (MaskCLIP) from the same trunk (blocks 0..L-2 shared).
+        """
+        visual = self.clip.visual
+        last = len(visual.transformer.resblocks) - 1
+        out = visual.forward_intermediates(image.to(self.input_dtype), indices=[last - 1, last] if dense else [last],
+                                           output_fmt="NLC", output_extra_tokens=dense)
+        hidden = out["image_intermediates"][-1]
+        features = {"global_": F.normalize(out["image_features"], dim=-1),
+                    "patches": visual.ln_post(hidden) @ visual.proj,
+                    "hidden": hidden}
+        if dense:
+            features["dense"] = self._dense_head(out["image_intermediates_prefix"][0], out["image_intermediates"][0])
+        return features
+
+    def text_features(self, text: torch.Tensor, trim: bool = True) -> dict[str, torch.Tensor]:
+        """global_ [B,D] normalised, tokens [B,L,D] projected, mask [B,L], hidden [B,L,W] pre-ln_final.
+
+        L is the batch's longest sequence when `trim` (exact under the causal mask), else the context.
+        """
+        text, hidden = self._text_trunk(text, trim=trim)
+        tokens = self._project_text(self.clip.ln_final(hidden))
+        eot = self._eot_positions(text)
+        mask = text != PAD_ID
+        mask[:, 0] = False
+        return {"global_": F.normalize(tokens[torch.arange(len(text), device=text.device), eot], dim=-1),
+                "tokens": tokens, "mask": mask, "hidden": hidden}
+
+    def pool_image_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B,W] pooled pre-ln_post tokens -> ln_post, projection, L2 (GOAL's TSL image side)."""
+        return F.normalize(self.clip.visual.ln_post(hidden) @ self.clip.visual.proj, dim=-1)
+
+    def pool_text_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B,W] pooled pre-ln_final states -> ln_final, projection, L2 (GOAL's TSL text side)."""
+        return F.normalize(self._project_text(self.clip.ln_final(hidden)), dim=-1)
+
+    # ---- dense / region features ------------------------------------------------------------------
+    def dense_features(self, image: torch.Tensor) -> torch.Tensor:
+        """[B, D, gh, gw] L2-normalised MaskCLIP features (last block without attention mixing)."""
+        last = len(self.clip.visual.transformer.resblocks) - 1
+        out = self.clip.visual.forward_intermediates(
+            image.to(self.input_dtype), indices=[last - 1], stop_early=True, intermediates_only=True,
+            output_fmt="NLC", output_extra_tokens=True)
+        return self._dense_head(out["image_intermediates_prefix"][0], out["image_intermediates"][0])
+
+    def pool_regions(self, dense: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
+        """RoIAlign 1x1 over a dense map for xyxy boxes in input pixels -> [sum n_i, D] normalised."""
+        return F.normalize(regions.roi_pool(dense, boxes, tuple(self.clip.visual.image_size)), dim=-1)
+
+    def region_features(self, image: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
+        return self.pool_regions(self.dense_features(image), boxes)
+
+    # ---- export support ---------------------------------------------------------------------------
+    def export_config(self) -> dict:
+        """The open_clip `model_cfg` that rebuilds this model (context length and activation included)."""
+        cfg = copy.deepcopy(self.model_cfg)
+        cfg["text_cfg"]["context_length"] = self.context_length
+        cfg["quick_gelu"] = any(isinstance(m, QuickGELU) for m in self.clip.modules())
+        return cfg
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _dense_head(self, cls_token: torch.Tensor, patch_tokens: torch.Tensor) -> torch.Tensor:
+        visual = self.clip.visual
+        last_block = visual.transformer.resblocks[-1]
+        if not isinstance(last_block, ResidualAttentionBlock):
+            raise NotImplementedError(f"dense features need open_clip's ResidualAttentionBlock, "
+                                      f"got {type(last_block).__name__}")
+        x = regions.value_path_block(last_block, torch.cat([cls_token, patch_tokens], dim=1))
+        x = F.normalize(visual.ln_post(x[:, 1:]) @ visual.proj, dim=-1)
+        return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *self.grid)
+
+    def _can_trim(self) -> bool:
+        return self.clip.attn_mask is not None and self.clip.text_pool_type in ("argmax", "eos")
+
+    def _eot_positions(self, text: torch.Tensor) -> torch.Tensor:
+        if self.clip.text_pool_type == "eos":
+            return (text == self.clip.text_eos_id).int().argmax(dim=-1)
+        if self.clip.text_pool_type == "argmax":     # EOT is the largest id in CLIP's vocabulary
+            return text.argmax(dim=-1)
+        raise NotImplementedError(f"text pool type {self.clip.text_pool_type!r} has no EOT position")
+
+    def _text_trunk(self, text: torch.Tensor, trim: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        clip = self.clip
+        if text.shape[1] != clip.context_length:
+            raise ValueError(f"text is tokenized to {text.shape[1]} positions, the model takes {clip.context_length}")
+        length = int(self._eot_positions(text).max()) + 1 if trim and self._can_trim() else text.shape[1]
+        text = text[:, :length]
+        cast_dtype = clip.transformer.get_cast_dtype()
+        x = clip.token_embedding(text).to(cast_dtype) + clip.positional_embedding[:length].to(cast_dtype)
+        attn_mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
+        return text, clip.transformer(x, attn_mask=attn_mask)
+
+    def _project_text(self, x: torch.Tensor) -> torch.Tensor:
+        projection = self.clip.text_projection
+        if projection is None:
+            return x
+        return projection(x) if isinstance(projection, nn.Linear) else x @ projection
+
+
+def _check_supported(clip: nn.Module) -> None:
+    if not isinstance(clip, open_clip.CLIP) or not isinstance(clip.visual, VisionTransformer):
+        raise NotImplementedError("ClipModel wraps open_clip's CLIP with a ViT image tower (not ResNet/timm/HF text)")
+    visual = clip.visual
+    if visual.attn_pool is not None or visual.pool_type != "tok" or visual.final_ln_after_pool:
+        raise NotImplementedError("ClipModel needs CLS-token pooling with ln_post before pooling (CLIP ViTs)")
+    if isinstance(visual.patch_dropout, PatchDropout):
+        raise NotImplementedError("patch dropout changes the patch grid that patch/box features index")

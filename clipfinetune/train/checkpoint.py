@@ -1,0 +1,119 @@
+"""Training checkpoints: a plain dict, written atomically, read with `weights_only=True`, and fingerprinted.
+
+A checkpoint holds everything a resumed run needs to continue bit for bit (CPU, same world size): model (the
+built method module, teachers included), optimiser, scheduler, step, epoch, position in the epoch (micro-batches),
+every rank's RNG states (python, numpy, torch, cuda) and the method's extra state.
+
+The FINGERPRINT (`fingerprint()`) ties a checkpoint to one run: sha256 over the stage name, the declared params,
+the world size and the stage's inputs. Inputs are hashed by content when small (code, JSON: <= 1 MiB) and by
+size + mtime otherwise (shards, weights), so a big input is never re-read; a false mismatch (e.g. a `dvc checkout`
+that rewrote an unchanged file) only costs a restart, never a wrong resume. Code deps are part of it on purpose: a
+changed loss must retrain, not "resume" a finished run. On a mismatch the trainer starts from scratch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clipfinetune.io import atomic_path
+
+FORMAT = "clipfinetune-train-checkpoint/1"
+LAST = "last.pt"
+_HASH_CONTENT_BELOW = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and says what to do."""
+
+
+def fingerprint(stage: str, params: dict, inputs: list[str | os.PathLike] = (), world_size: int = 1,
+                root: str | os.PathLike = ".") -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"stage": stage, "params": params, "world_size": world_size},
+                        sort_keys=True, default=str).encode())
+    root = Path(root)
+    for path in sorted(str(p) for p in inputs):
+        h.update(f"\0input {path}\0".encode())
+        h.update(_tree_digest(root / path).encode())
+    return h.hexdigest()
+
+
+def _tree_digest(path: Path) -> str:
+    if not path.exists():
+        return "missing"
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        rel = f.relative_to(path).as_posix() if f != path else f.name
+        if st.st_size <= _HASH_CONTENT_BELOW:
+            h.update(f"{rel}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+        else:
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- RNG states
+def rng_state() -> dict:
+    """Every RNG the loop touches, as tensors/lists (loadable with weights_only=True)."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"], "key": np_state["state"]["key"].tolist(),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- file I/O
+def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
+    """Write atomically: a kill mid-write leaves the previous checkpoint untouched."""
+    with atomic_path(path) as tmp:
+        torch.save({"format": FORMAT, **checkpoint}, tmp)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a checkpoint with `weights_only=True`; a clear `CheckpointError` naming the file otherwise."""
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path}: refused: it contains pickled Python objects beyond tensors and plain containers "
+            f"(loaded with weights_only=True). Do not trust it; delete it to train from scratch. ({e})") from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read this checkpoint (truncated or corrupt?): {e}. "
+                              f"Delete it to train from scratch.") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a clipfinetune training checkpoint (format "
+                              f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}, "
+                              f"expected {FORMAT!r}). Delete it to train from scratch.")
+    return ckpt

@@ -1,0 +1,76 @@
+"""Training settings: one dataclass, and the rule that merges shared defaults with a method's overrides.
+
+`batch_size` is the per-rank batch of ONE optimiser step. With `accum_steps = k` the loader yields micro-batches
+of `batch_size / k` and the loop accumulates k of them (open_clip's feature cache, see `loop.py`), so `k` is a
+memory knob that leaves the optimisation unchanged; the global batch is `batch_size * world_size`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int
+    batch_size: int                 # per rank, per optimiser step (micro-batch = batch_size // accum_steps)
+    lr: float
+    warmup: int = 0                 # linear warm-up, optimiser steps
+    wd: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.98             # open_clip's ViT defaults (METHODS.md 0.3)
+    eps: float = 1e-6
+    grad_clip: float = 0.0          # max global grad norm; 0 = off
+    accum_steps: int = 1
+    checkpoint_every: int = 0       # optimiser steps; 0 = only the final checkpoint
+    seed: int = 0
+    workers: int = 0                # loader worker processes
+    precision: str = "fp32"         # fp32 | bf16 (autocast; the stage resolves bf16 -> fp32 on CPU)
+
+    def __post_init__(self):
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.accum_steps < 1 or self.batch_size % self.accum_steps:
+            raise ValueError(f"batch_size {self.batch_size} must be a multiple of accum_steps {self.accum_steps}")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError("epochs and batch_size must be >= 1")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.accum_steps
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"precision"}
+
+
+def merge_train_settings(shared: dict, override: dict | None, extra_keys=frozenset(),
+                         where: str = "train") -> tuple[dict, dict]:
+    """Shared `train.*` defaults + a method's `train.<method>.*` group.
+
+    A key of the override group replaces the shared one. Keys outside the shared set are allowed only if the
+    method lists them in `extra_keys` (e.g. MulCLIP's `new_module_lr`); anything else is an error, so a typo
+    never silently trains with the default. Returns (training settings, method extras).
+    """
+    override = override or {}
+    unknown_shared = set(shared) - TRAIN_KEYS
+    if unknown_shared:
+        raise ValueError(f"{where}: unknown shared training keys {sorted(unknown_shared)}; known: {sorted(TRAIN_KEYS)}")
+    unknown = set(override) - TRAIN_KEYS - set(extra_keys)
+    if unknown:
+        raise ValueError(f"{where}: unknown override keys {sorted(unknown)}; allowed: shared keys "
+                         f"{sorted(TRAIN_KEYS)} and this method's {sorted(extra_keys) or 'none'}")
+    settings = {**shared, **{k: v for k, v in override.items() if k in TRAIN_KEYS}}
+    extras = {k: v for k, v in override.items() if k not in TRAIN_KEYS}
+    return settings, extras
+
+
+def resolve_precision(precision: str, device, log=None) -> str:
+    """bf16 autocast is used on CUDA; on CPU the loop trains in fp32 (slow, and what the sample world expects)."""
+    if precision == "bf16" and getattr(device, "type", str(device)) != "cuda":
+        if log is not None:
+            log.info("precision bf16 requested on %s: training in fp32 (bf16 autocast is for CUDA)", device)
+        return "fp32"
+    return precision

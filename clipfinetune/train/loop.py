@@ -1,0 +1,256 @@
+"""ONE training loop for every method (nanoGPT-style: set-up, resume, loop, checkpoint, in reading order).
+
+A method changes what the batch holds (its loader examples) and which loss runs (its named, weighted terms);
+it never changes this loop. What the loop decides:
+
+- Data: a `BatchSource` yields the rank's micro-batches of an epoch, deterministically in (seed, epoch), starting
+  at a given micro-batch position (resume). It must not consume the global RNGs (pass DataLoader a generator).
+  An epoch is `len(source) // accum_steps` optimiser steps; a trailing partial group of micro-batches is dropped.
+- Gradient accumulation is open_clip's feature cache (ECOSYSTEM.md 1.7): a no-grad pass computes every
+  micro-batch's features; then each micro-batch is recomputed with grad, substituted into the cached set, and the
+  loss of the WHOLE step's batch is back-propagated. The summed gradients equal one step on the full batch (in-batch
+  negatives span all `batch_size` samples; exact for every term that is a function of the concatenated features;
+  shared 0-dim features such as the logit scale, and parameters owned by the loss module, get their gradient in
+  one pass only: open_clip counts the logit scale's gradient k times). Cost: one extra forward per micro-batch. DDP gradient sync runs only on the last micro-batch (`no_sync`).
+- Precision: bf16 autocast around the model forward when `precision == "bf16"`; features are cast to fp32 and
+  the loss runs in fp32 (logits of a softmax over the batch are precision-sensitive). No GradScaler (bf16).
+- After the backward: global grad norm (clipped if `grad_clip > 0`); every term and the grad norm are averaged
+  over ranks in one all-reduce; a non-finite value stops training BEFORE the optimiser step with
+  `NonFiniteLossError` (naming the step and the term), so the last checkpoint stays the last good one.
+- Then AdamW step, schedule step, logit scale(s) clamped to [0, ln 100] (open_clip), `method.after_step`.
+- Checkpoints every `checkpoint_every` optimiser steps and at the end (`checkpoints/<run>/last.pt`, atomic). On
+  start, a checkpoint with the same fingerprint is resumed (bit-exact on CPU); a different one is ignored (and
+  overwritten by the first new checkpoint); an unreadable one is a clear error naming the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt_io
+from .config import TrainConfig
+from .distributed import DistInfo, all_gather_objects, all_reduce_mean, current, wrap_ddp
+from .monitor import Monitor
+from .optim import build_optimizer, build_scheduler, parameter_groups
+
+log = logging.getLogger("clipfinetune.train")
+MAX_LOGIT_SCALE = math.log(100)
+
+
+class BatchSource(Protocol):
+    def __len__(self) -> int: ...                                      # micro-batches per epoch on this rank
+    def batches(self, epoch: int, start: int = 0) -> Iterator[dict]: ...  # from micro-batch `start` of `epoch`
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, method, model, source: BatchSource, cfg: TrainConfig, *,
+                 checkpoint_dir: str | os.PathLike | None = None, live_dir: str | os.PathLike | None = None,
+                 fingerprint: str = "", dist: DistInfo | None = None, desc: str = "train"):
+        self.method, self.source, self.cfg, self.desc = method, source, cfg, desc
+        self.dist = dist or current()
+        self.device = self.dist.device
+        self.checkpoint_path = Path(checkpoint_dir) / ckpt_io.LAST if checkpoint_dir else None
+        self.live_dir, self.fingerprint = live_dir, fingerprint
+
+        self.module = method.build(model).to(self.device)
+        self.loss_fn = method.loss().to(self.device)
+        self.steps_per_epoch = len(source) // cfg.accum_steps
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"{desc}: the data gives {len(source)} micro-batches per epoch on this rank, fewer "
+                             f"than accum_steps={cfg.accum_steps}: nothing to train on")
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        groups = parameter_groups(self.module, cfg.lr, cfg.wd, method.param_groups(self.module))
+        self.params = [p for g in groups for p in g["params"]]
+        # parameters the loss uses directly (e.g. MulCLIP's heads): their gradient is taken in ONE accumulation pass
+        in_loss = {id(p) for p in self.loss_fn.parameters()}
+        self._feature_params = [p for p in self.params if id(p) not in in_loss] if in_loss else None
+        self.optimizer = build_optimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.warmup, self.total_steps)
+        self.step, self._rng, self._saved_step = 0, None, None
+        self.resumed = self._resume()                       # before DDP: every rank loads the same state
+        self.ddp = wrap_ddp(self.module, self.dist, method.find_unused_parameters)
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def fit(self) -> nn.Module:
+        cfg, accum = self.cfg, self.cfg.accum_steps
+        if self.step >= self.total_steps:
+            log.info("%s: checkpoint %s is already complete (%d steps)", self.desc, self.checkpoint_path, self.step)
+            return self.module
+        monitor = Monitor(self.live_dir, self.total_steps, self.step, self.resumed, self.dist.is_main, self.desc)
+        if self._rng is not None:
+            ckpt_io.set_rng_state(self._rng)
+        else:
+            ckpt_io.seed_everything(cfg.seed + self.dist.rank)
+        self.module.train()
+        try:
+            while self.step < self.total_steps:
+                epoch, done = divmod(self.step, self.steps_per_epoch)
+                batches = iter(self.source.batches(epoch, start=done * accum))
+                tick = time.perf_counter()
+                for _ in range(done, self.steps_per_epoch):
+                    micro = [self._to_device(self._next(batches, epoch)) for _ in range(accum)]
+                    data_s = time.perf_counter() - tick
+                    scalars = self.train_step(micro)
+                    step_s = time.perf_counter() - tick
+                    tick = time.perf_counter()
+                    n_samples = cfg.micro_batch_size * accum * self.dist.world_size
+                    scalars.update(samples_per_s=n_samples / step_s, data_s=data_s, epoch=epoch)
+                    monitor.log(self.step, scalars)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save()
+                del batches
+            if self._saved_step != self.step:
+                self.save()
+        finally:
+            monitor.close()
+        return self.module
+
+    def train_step(self, micro_batches: list[dict]) -> dict[str, float]:
+        """One optimiser step over `accum_steps` micro-batches; returns the logged scalars."""
+        terms = self.compute_gradients(micro_batches)
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        names = list(terms)
+        values = all_reduce_mean(torch.stack([terms[n].float() for n in names] + [grad_norm.float().to(self.device)]))
+        values = values.tolist()
+        total = sum(values[:-1])
+        for name, value in [(f"term '{n}'", v) for n, v in zip(names, values)] + [("total", total),
+                                                                                   ("grad norm", values[-1])]:
+            if not math.isfinite(value):
+                raise NonFiniteLossError(
+                    f"{self.desc}: non-finite {name} = {value} at optimiser step {self.step + 1} "
+                    f"(epoch {self.step // self.steps_per_epoch}); stopped before updating the weights. "
+                    f"Last good checkpoint: {self._checkpoint_note()}")
+        lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
+        self.optimizer.step()
+        self.scheduler.step()
+        self._clamp_logit_scales()
+        self.method.after_step(self.module)
+        self.step += 1
+        scalars = {"loss": total, **{f"loss_{n}": v for n, v in zip(names, values)}, "grad_norm": values[-1],
+                   "lr": lrs.get("default", lrs.get("default_no_decay", next(iter(lrs.values()))))}
+        scalars.update({f"lr_{g}": lr for g, lr in lrs.items()
+                        if not g.startswith("default") and not g.endswith("_no_decay")})
+        return scalars
+
+    def compute_gradients(self, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+        """Zero the grads and back-propagate the loss of the whole step's batch (feature cache if k > 1).
+        Returns the detached terms (the full-batch values)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        k = len(micro_batches)
+        if k == 1:
+            terms = self.loss_fn(self._forward(micro_batches[0]))
+            sum(terms.values()).backward()
+            return {n: t.detach() for n, t in terms.items()}
+        with torch.no_grad():
+            cached = [self._forward(b) for b in micro_batches]
+        for j, batch in enumerate(micro_batches):
+            last = j == k - 1
+            with contextlib.nullcontext() if last or not hasattr(self.ddp, "no_sync") else self.ddp.no_sync():
+                features = merge_features(cached[:j] + [self._forward(batch)] + cached[j + 1:], j, last)
+                terms = self.loss_fn(features)
+                inputs = None if last or self._feature_params is None else self._feature_params
+                torch.autograd.backward(sum(terms.values()), inputs=inputs)
+        return {n: t.detach() for n, t in terms.items()}
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def _forward(self, batch: dict) -> dict:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+            features = self.ddp(batch)
+        return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in features.items()}
+
+    def _to_device(self, batch):
+        if torch.is_tensor(batch):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(v) for v in batch)
+        return batch
+
+    def _next(self, batches: Iterator[dict], epoch: int) -> dict:
+        try:
+            return next(batches)
+        except StopIteration:
+            raise RuntimeError(f"{self.desc}: the data source ended early in epoch {epoch}: it promised "
+                               f"{len(self.source)} micro-batches per epoch") from None
+
+    def _clamp_logit_scales(self) -> None:
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if p.requires_grad and name.endswith("logit_scale"):
+                    p.clamp_(0, MAX_LOGIT_SCALE)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        return {"fingerprint": self.fingerprint, "step": self.step,
+                "epoch": self.step // self.steps_per_epoch,
+                "position": (self.step % self.steps_per_epoch) * self.cfg.accum_steps,
+                "steps_per_epoch": self.steps_per_epoch, "world_size": self.dist.world_size,
+                "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "method": self.method.state_dict(),
+                "config": self.cfg.as_dict()}
+
+    def save(self) -> None:
+        rng = all_gather_objects(ckpt_io.rng_state())              # collective: every rank calls save()
+        if self.checkpoint_path is not None and self.dist.is_main:
+            ckpt_io.save_checkpoint(self.checkpoint_path, {**self.state(), "rng": rng})
+        self._saved_step = self.step                            # on every rank: save() is collective
+
+    def _checkpoint_note(self) -> str:
+        if self.checkpoint_path is None:
+            return "none (checkpointing off)"
+        if self._saved_step is None or not self.checkpoint_path.exists():
+            return f"none of this run yet ({self.checkpoint_path})"
+        return f"{self.checkpoint_path} (step {self._saved_step}), intact"
+
+    def _resume(self) -> bool:
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return False
+        ckpt = ckpt_io.load_checkpoint(path)
+        mismatch = [k for k in ("fingerprint", "steps_per_epoch", "world_size")
+                    if ckpt.get(k) != {"fingerprint": self.fingerprint, "steps_per_epoch": self.steps_per_epoch,
+                                       "world_size": self.dist.world_size}[k]]
+        if mismatch:
+            log.warning("%s: checkpoint %s belongs to a different run (%s differ): training from scratch; "
+                        "it will be overwritten by the first new checkpoint", self.desc, path, ", ".join(mismatch))
+            return False
+        self.module.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.method.load_state_dict(ckpt["method"])
+        self.step, self._saved_step = ckpt["step"], ckpt["step"]
+        self._rng = ckpt["rng"][self.dist.rank]
+        log.info("%s: resuming from %s at step %d (epoch %d, micro-batch %d)", self.desc, path, self.step,
+                 ckpt["epoch"], ckpt["position"])
+        return True
+
+
+def merge_features(parts: list[dict], own: int, last: bool) -> dict:
+    """Concatenate micro-batches' features along dim 0 (part `own` carries grad). 0-dim tensors (shared values such
+    as `logit_scale`) come from part `own` but keep their grad only in the `last` pass, so that their gradient is
+    counted once, not k times (open_clip's accumulation counts the logit scale's gradient k times)."""
+    merged = {}
+    for key, value in parts[own].items():
+        if torch.is_tensor(value) and value.ndim > 0:
+            merged[key] = torch.cat([p[key] for p in parts], dim=0)
+        elif torch.is_tensor(value) and not last:
+            merged[key] = value.detach()
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,66 @@
+"""Rank-0 logging: dvclive scalars per optimiser step and a tqdm progress bar.
+
+Logged at dvclive step = optimiser steps done: `loss` (the total), `loss_<term>` (every weighted term, averaged
+over ranks), `lr` and `lr_<group>` (method groups), `grad_norm` (before clipping), `samples_per_s` (global
+samples of the step / its wall time including the data wait, as open_clip) and `epoch`.
+
+`Live(dvcyaml=False, save_dvc_exp=False)`: dvc.yaml declares the plots itself, so dvclive never rewrites the
+tracked pipeline file mid-repro. When resuming, rows logged after the checkpoint by the interrupted run are
+dropped first, so the curves stay one continuous, duplicate-free history.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+
+class Monitor:
+    def __init__(self, live_dir: str | os.PathLike | None, total_steps: int, start_step: int, resume: bool,
+                 enabled: bool = True, desc: str = "train"):
+        self.live = None
+        self.bar = None
+        if not enabled:
+            return
+        if live_dir is not None:
+            from dvclive import Live
+
+            if resume:
+                truncate_history(live_dir, start_step)
+            self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False, resume=resume, report=None)
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True, mininterval=1.0)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.live is not None:
+            self.live.step = step
+            for name, value in scalars.items():
+                self.live.log_metric(name, value)
+            self.live.next_step()
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{scalars['loss']:.4f}", lr=f"{scalars['lr']:.2e}",
+                                 sps=f"{scalars['samples_per_s']:.0f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.live is not None:
+            self.live.end()
+
+
+def truncate_history(live_dir: str | os.PathLike, last_step: int) -> None:
+    """Drop rows with step > last_step from every dvclive metric file (the interrupted run's tail)."""
+    for tsv in Path(live_dir, "plots", "metrics").rglob("*.tsv"):
+        text = tsv.read_text()
+        rows = list(csv.reader(io.StringIO(text), delimiter="\t"))
+        if not rows or "step" not in rows[0]:
+            continue
+        col = rows[0].index("step")
+        kept = [rows[0]] + [r for r in rows[1:] if r and int(float(r[col])) <= last_step]
+        if len(kept) != len(rows):
+            out = io.StringIO()
+            csv.writer(out, delimiter="\t", lineterminator="\n").writerows(kept)
+            tsv.write_text(out.getvalue())

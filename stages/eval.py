@@ -1,0 +1,49 @@
+"""Stage `eval@<model>`: the evaluation suite on models/<model> -> metrics/<model>.json (DVC metrics).
+
+Benchmarks come from `eval.benchmarks` (task -> set -> paths); unconfigured ones are listed under
+"skipped" in the metrics file. Run by hand: python stages/eval.py --model clip [--stage eval@clip].
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repo root on sys.path)
+import torch
+
+from _common import setup_logging, stage_params, stage_parser
+from clipfinetune.eval.suite import evaluate_model
+from clipfinetune.io import write_json
+
+
+def load_exported(name: str):
+    from clipfinetune.models import load_model
+
+    path = Path("models") / name
+    if not path.is_dir():
+        raise SystemExit(f"models/{name} does not exist: run `dvc repro train@{name}` (or `pretrain` for base)")
+    return load_model(f"local-dir:{path}").eval()
+
+
+def main() -> None:
+    p = stage_parser(__doc__)
+    p.add_argument("--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)")
+    args = p.parse_args()
+    params = stage_params(args.stage or f"eval@{args.model}")
+    log = setup_logging(f"eval@{args.model}")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    text_encoder = params["eval.box_cls.text_encoder"]
+    model = load_exported(args.model)
+    text_model = load_exported("base") if text_encoder == "base" and args.model != "base" else model
+    t0 = time.perf_counter()
+    metrics = evaluate_model(model, params["eval.benchmarks"], batch_size=params["eval.batch_size"],
+                             text_model=text_model, text_encoder=text_encoder, aro_seed=params["eval.aro_seed"])
+    metrics["meta"]["model"] = args.model
+    write_json(Path("metrics") / f"{args.model}.json", metrics)
+    log.info("wrote metrics/%s.json in %.1fs; skipped: %s", args.model, time.perf_counter() - t0,
+             sorted(metrics["skipped"]))
+    params.check_all_read()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Stage `pretrain`: the small base CLIP, trained from scratch on the sample world's short captions -> models/base/.
+
+Global contrastive (the plain CLIP method) on every training image with one of its COCO captions drawn at random
+each epoch, read directly from data/sample/annotations/captions_train.json + data/sample/images/train (not the
+shards: they need LISM pairs, and LISM on the sample world uses this model).
+
+With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
+trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
+dvclive/pretrain/skipped.json records why.
+
+Resumable: checkpoints/pretrain/last.pt (gitignored, not a DVC out) carries a fingerprint of the declared params,
+the stage's inputs and code; a killed run re-run with the same fingerprint resumes, anything else starts over.
+Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain`.
+"""
+from __future__ import annotations
+
+from _common import ROOT, setup_logging, stage_params, stage_parser
+
+CAPTIONS = "data/sample/annotations/captions_train.json"
+IMAGES = "data/sample/images/train"
+
+
+def stage_inputs(stage: str) -> list[str]:
+    """The stage's dvc.yaml deps (code and data) for the checkpoint fingerprint; params.yaml is covered by the
+    declared params themselves."""
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as repo:
+        (info,) = repo.stage.collect_granular(stage)
+        return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
+
+
+def main() -> None:
+    args = stage_parser(__doc__.splitlines()[0]).parse_args()
+    params = stage_params(args.stage or None)
+    log = setup_logging(params.stage)
+    name, pretrained, precision = params["model.name"], params["model.pretrained"], params["model.precision"]
+    settings = params["pretrain"]
+    out, live_dir = ROOT / "models" / "base", ROOT / "dvclive" / "pretrain"
+
+    from clipfinetune.io import write_json
+    from clipfinetune.models import export_model, load_model
+
+    if pretrained:
+        log.info("model.pretrained=%r: exporting these weights unchanged to %s (no pretraining)", pretrained, out)
+        export_model(load_model(name, pretrained), out)
+        write_json(live_dir / "skipped.json", {"pretrained": pretrained, "model": name,
+                                               "reason": "model.pretrained is set: weights exported unchanged"})
+        params.check_all_read()
+        return
+
+    from clipfinetune.methods.clip import ClipMethod
+    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
+    from clipfinetune.train.checkpoint import seed_everything
+    from clipfinetune.train.config import resolve_precision
+    from clipfinetune.train.sources import CaptionPairSource
+
+    dist = init_distributed()
+    try:
+        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        seed_everything(cfg.seed)                       # the same initial weights on every rank
+        model = load_model(name, device=dist.device)
+        source = CaptionPairSource(ROOT / CAPTIONS, ROOT / IMAGES, model.transform, model.tokenize,
+                                   cfg.micro_batch_size, cfg.seed, dist.rank, dist.world_size)
+        log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
+                 name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
+                 cfg.precision, dist.device)
+        fp = fingerprint(params.stage, {"model": {"name": name, "pretrained": pretrained, "precision": precision},
+                                        "pretrain": settings}, stage_inputs(params.stage), dist.world_size, ROOT)
+        trainer = Trainer(ClipMethod(), model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
+                          live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
+        trainer.fit()
+        if dist.is_main:
+            export_model(model, out)
+            log.info("exported %s", out)
+        params.check_all_read()
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Stage `report`: metrics/<model>.json of every model -> metrics/summary.json (headline table, deltas vs
+base and clip, CLAIMS), reports/summary.md and the trade-off plots in reports/. Models without a metrics
+file are reported as missing, so it also runs by hand mid-development: python stages/report.py --stage report
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import _common  # noqa: F401
+from _common import setup_logging, stage_params, stage_parser
+from clipfinetune.eval.plots import write_plots
+from clipfinetune.eval.report import load_metrics, render_markdown, summarize
+from clipfinetune.io import atomic_path, write_json
+
+
+def main() -> None:
+    args = stage_parser(__doc__).parse_args()
+    params = stage_params(args.stage or "report")
+    log = setup_logging("report")
+    models = list(params["eval.models"])
+    summary = summarize(load_metrics({m: Path("metrics") / f"{m}.json" for m in models}), params["eval.report.set"])
+    plots = write_plots(summary, "reports")
+    write_json("metrics/summary.json", summary)
+    with atomic_path("reports/summary.md") as tmp:
+        tmp.write_text(render_markdown(summary, plots))
+    held = {f"{m}.{n}": c["holds"] for m, cs in summary["claims"].items() for n, c in cs.items()}
+    log.info("claims: %s; missing models: %s", held, summary["missing_models"])
+    params.check_all_read()
+
+
+if __name__ == "__main__":
+    main()

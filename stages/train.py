@@ -1,0 +1,117 @@
+"""Stage `train@<run>`: fine-tune models/base with one method -> models/<run>/ and dvclive/train/<run>/.
+
+    python stages/train.py --run <run> --method <method> [--stage train@<run>]
+    torchrun --nproc_per_node N stages/train.py --run <run> --method <method>      # multi-GPU / multi-node
+
+Params (only those dvc.yaml declares for the run): the shared `train.*` defaults, overridden key by key by the
+method's group `train.<method>.*` (unknown keys are an error; a method may allow extra keys, e.g. MulCLIP's
+`new_module_lr`, which go to the method); `model.precision`; and the run's loss/method keys, flattened to their
+last key to construct the method: `loss.lambda_l` -> lambda_l, `ablations.<run>.lambda_l` -> lambda_l,
+`custom.terms` -> terms, `model.unlocked_vision_layers` -> unlocked_vision_layers, `sentences.max_sentences` ->
+max_sentences.
+
+Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it) carries a fingerprint of
+the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
+unchanged resumes; after `dvc exp run -S ...` or a code change the run starts from scratch.
+"""
+from __future__ import annotations
+
+import os
+
+from _common import ROOT, setup_logging, stage_params, stage_parser
+
+LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
+METHOD_GROUPS = ("loss", "ablations", "custom", "model", "sentences")
+
+
+def stage_inputs(stage: str) -> list[str]:
+    """The stage's dvc.yaml deps (code and data) for the checkpoint fingerprint; params.yaml is covered by the
+    declared params themselves."""
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as repo:
+        (info,) = repo.stage.collect_granular(stage)
+        return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
+
+
+def method_config(groups: dict, run: str) -> dict:
+    """Declared loss/method params flattened to their last key (ablations.<run>.x -> x, custom.terms -> terms)."""
+    config: dict = {}
+    for group, values in groups.items():
+        if values is None:
+            continue
+        if group == "ablations":
+            values = values[run]
+        for key, value in values.items():
+            if group == "model" and key == "precision":
+                continue
+            if key in config and config[key] != value:
+                raise ValueError(f"param {group}.{key} clashes with another declared key of the same last name")
+            config[key] = value
+    return config
+
+
+def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]:
+    """(training settings: shared train.* merged with train.<method>.*, the method's constructor kwargs)."""
+    from clipfinetune.train import merge_train_settings
+
+    train = dict(params["train"])
+    override = train.pop(method, {})
+    groups = [k for k, v in train.items() if isinstance(v, dict)]
+    if groups:
+        raise ValueError(f"{params.stage}: unexpected training groups {groups} (the run's method is {method!r})")
+    settings, extras = merge_train_settings(train, override, method_cls.train_keys, f"train.{method}")
+    config = {**method_config({g: params.get(g) for g in METHOD_GROUPS}, run), **extras}
+    return settings, config
+
+
+def main() -> None:
+    parser = stage_parser(__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run name (the foreach key), e.g. clip, fsc_lhn_only")
+    parser.add_argument("--method", required=True, help="method name, e.g. clip, fsc_clip")
+    args = parser.parse_args()
+    params = stage_params(args.stage or os.environ.get("DVC_STAGE") or f"train@{args.run}")
+    log = setup_logging(params.stage)
+
+    from clipfinetune.data.loader import ExampleContext, ShardLoader
+    from clipfinetune.io import write_json
+    from clipfinetune.methods import get_method
+    from clipfinetune.models import export_model, load_model
+    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
+    from clipfinetune.train.checkpoint import seed_everything
+    from clipfinetune.train.config import resolve_precision
+
+    method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
+    settings, config = run_settings(params, args.run, args.method, method_cls)
+    precision = params["model.precision"]
+    log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
+
+    dist = init_distributed()
+    try:
+        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        method = method_cls(**config)
+        seed_everything(cfg.seed)
+        model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
+        ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
+                             tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT))
+        loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
+                             seed=cfg.seed, num_workers=cfg.workers)
+        fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
+                                        "precision": precision, "config": config},
+                         stage_inputs(params.stage), dist.world_size, ROOT)
+        live_dir = ROOT / "dvclive" / "train" / args.run
+        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=ROOT / "checkpoints" / args.run,
+                          live_dir=live_dir, fingerprint=fp, dist=dist, desc=params.stage)
+        module = trainer.fit()
+        if dist.is_main:
+            export_model(method.final_model(module, model), ROOT / "models" / args.run)
+            write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
+                                                "batches_per_epoch": len(loader), **dict(loader.stats)})
+            log.info("exported models/%s", args.run)
+        params.check_all_read()
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""WebDataset shards: the sample JSON contract, byte-identical re-runs, open_clip reads them, counted skips."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipfinetune.data.shards import build_shards
+from clipfinetune.io import InputError
+from test_data_helpers import World, jpeg
+
+KEYS = {"image_id", "source", "width", "height", "captions", "long_caption", "word_regions", "sentences",
+        "local_pair", "negatives"}
+
+
+def build(world: World, out: Path, **kw):
+    args = dict(prepared_dir=world.root / "prepared", coco_captions=world.root / "captions.json",
+                coco_images=world.root / "coco", docci=world.root / "docci.jsonlines",
+                docci_images=world.root / "docci", maxcount=8, val_fraction=0.2)
+    return build_shards(out, **{**args, **kw})
+
+
+def read_all(out: Path) -> dict[str, dict]:
+    samples = {}
+    for tar in sorted(out.glob("*.tar")):
+        with tarfile.open(tar) as tf:
+            for m in tf:
+                key, ext = m.name.split(".", 1)
+                samples.setdefault(key, {"__shard__": tar.name})[ext] = tf.extractfile(m).read()
+    return samples
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    world = World(root)
+    meta = build(world, root / "shards")
+    return world, root / "shards", meta
+
+
+def test_one_sample_per_training_image_with_every_annotation(built):
+    world, out, meta = built
+    samples = read_all(out)
+    assert len(samples) == world.n_coco + world.n_docci           # the DOCCI test record is not a training image
+    assert meta["samples_train"] + meta["samples_val"] == len(samples) and meta["samples_val"] > 0
+    for key, s in samples.items():
+        assert "." not in key and set(s) == {"__shard__", "jpg", "json", "txt"}
+        rec = json.loads(s["json"])
+        assert set(rec) == KEYS and key == f"{rec['source']}_{rec['image_id']}"
+        assert all(isinstance(rec[k], list) for k in ("captions", "word_regions", "sentences", "local_pair", "negatives"))
+    coco = json.loads(samples["coco_3"]["json"])
+    assert coco["captions"] == ["A red circle number 3.", "Two squares and a circle 3."]
+    assert samples["coco_3"]["txt"] == b"A red circle number 3."
+    assert (coco["width"], coco["height"]) == (43, 33) and coco["long_caption"] == "" and coco["sentences"] == []
+    assert coco["word_regions"] == [{"caption_index": 0, "word": "circle", "char_span": [6, 12],
+                                     "box": [1.0, 2.0, 11.0, 12.0], "category": "circle"}]
+    assert coco["negatives"] == [{"caption_index": 1, "type": "swap_nouns",
+                                  "texts": ["Two circles and a square 3.", "A circle and two squares 3."]}]
+    assert samples["coco_3"]["jpg"] == (world.root / "coco" / "000000000003.jpg").read_bytes()   # no re-encode
+
+
+def test_docci_sample_sentences_summary_and_local_pair(built):
+    world, out, _ = built
+    samples = read_all(out)
+    long = "A blue star on grass. It is 3.5 cm wide. Dr. Who drew it 3."
+    rec = json.loads(samples["docci_train_00003"]["json"])
+    assert rec["long_caption"] == long and rec["captions"] == [] and rec["word_regions"] == []
+    assert [s["text"] for s in rec["sentences"]] == ["A blue star on grass.", "It is 3.5 cm wide.", "Dr. Who drew it 3."]
+    assert all(long[s:e] == t["text"] for t in rec["sentences"] for s, e in [t["char_span"]])
+    assert samples["docci_train_00003"]["txt"] == b"A blue star on grass."     # the summary sentence
+    assert rec["local_pair"] == [{"sentence_index": 1, "box": [5.0, 6.0, 25.0, 30.0]}]       # chosen region
+    assert json.loads(samples["docci_train_00004"]["json"])["local_pair"] == []              # global image won
+    assert json.loads(samples["docci_train_00005"]["json"])["local_pair"] == []              # nothing chosen
+
+
+def test_sizes_json_and_shard_names(built):
+    _, out, _ = built
+    sizes = json.loads((out / "sizes.json").read_text())
+    assert sorted(sizes) == sorted(p.name for p in out.glob("*.tar"))
+    counts = {}
+    for s in read_all(out).values():
+        counts[s["__shard__"]] = counts.get(s["__shard__"], 0) + 1
+    assert sizes == counts and max(sizes.values()) <= 8
+    assert all(n.startswith(("train-", "val-")) and n[-10:-4].isdigit() for n in sizes)
+    sources = [{json.loads(s["json"])["source"] for s in read_all(out).values() if s["__shard__"] == n}
+               for n in sizes if n.startswith("train")]
+    assert sum(len(x) == 2 for x in sources) >= len(sources) // 2          # sources are mixed across shards
+
+
+def test_rerun_is_byte_identical(built, tmp_path):
+    world, out, _ = built
+    build(world, tmp_path / "again")
+    digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+    assert digest(out) == digest(tmp_path / "again")
+
+
+def test_open_clip_reads_the_shards(built):
+    """open_clip_train's own webdataset pipeline (shard shuffle, split, decode "pilrgb", rename jpg;png + txt,
+    batches) reads the shards, with sizes.json giving the epoch size (no --train-num-samples)."""
+    open_clip_data = pytest.importorskip("open_clip_train.data")
+    from clipfinetune.data.open_clip_compat import patch
+
+    patch()     # open_clip_train 3.3.0 x webdataset 1.0: end-of-shard marker fix (open_clip#935)
+    _, out, _ = built
+    names = sorted(p.name for p in out.glob("train-*.tar"))
+    sizes = json.loads((out / "sizes.json").read_text())
+    args = argparse.Namespace(train_data=str(out / f"train-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"),
+                              val_data=None, train_num_samples=None, train_data_upsampling_factors=None,
+                              dataset_resampled=False, seed=0, batch_size=4, world_size=1, workers=0,
+                              val_num_samples=None)
+    info = open_clip_data.get_wds_dataset(args, lambda im: torch.tensor([*im.size, len(im.getbands())]), is_train=True,
+                                          epoch=0, tokenizer=lambda text: torch.tensor([[len(text)]]))
+    assert info.dataloader.num_samples == -(-sum(sizes[n] for n in names) // 4) * 4
+    seen = [b for b in info.dataloader]
+    images, texts = seen[0]
+    assert images.shape == (4, 3) and (images[:, 2] == 3).all()          # PIL RGB images of their own size
+    assert texts.shape == (4, 1) and (texts > 0).all()                    # the txt member, a caption
+
+
+def test_corrupt_and_missing_images_are_counted_not_fatal(tmp_path):
+    world = World(tmp_path / "w", n_coco=6, n_docci=3)
+    (world.root / "coco" / "000000000002.jpg").write_bytes(jpeg(42, 32, 2)[:200])    # truncated JPEG
+    (world.root / "coco" / "000000000004.jpg").unlink()
+    (world.root / "docci" / "train_00001.jpg").write_bytes(b"not an image")
+    meta = build(world, tmp_path / "out")
+    assert meta["images_skipped_corrupt"] == 2 and meta["images_skipped_missing"] == 1
+    assert set(read_all(tmp_path / "out")) == {"coco_1", "coco_3", "coco_5", "coco_6", "docci_train_00000",
+                                                "docci_train_00002"}
+
+
+def test_stale_annotation_rows_are_dropped_and_counted(tmp_path):
+    world = World(tmp_path / "w", n_coco=3, n_docci=2)
+    neg = world.prepared("negatives")
+    neg.loc[0, "caption"] = "a caption that is not caption 1"
+    neg.to_parquet(world.root / "prepared" / "negatives.parquet")
+    wr = world.prepared("word_regions")
+    wr.loc[0, "caption_index"] = 7
+    wr.to_parquet(world.root / "prepared" / "word_regions.parquet")
+    meta = build(world, tmp_path / "out")
+    assert meta["negatives_stale_dropped"] == 1 and meta["word_regions_stale_dropped"] == 1
+    rec = json.loads(read_all(tmp_path / "out")["coco_1"]["json"])
+    assert rec["word_regions"] == [] and rec["negatives"][0]["texts"] == ["A circle and two squares 1."]
+
+
+def test_a_missing_prepared_file_names_its_stage(tmp_path):
+    world = World(tmp_path / "w", n_coco=2, n_docci=1)
+    (world.root / "prepared" / "local_pairs.parquet").unlink()
+    with pytest.raises(InputError, match="local_pairs.parquet.*stage `lism`"):
+        build(world, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

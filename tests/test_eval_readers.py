@@ -1,0 +1,186 @@
+"""Readers of the real formats (BENCHMARKS §8 fixtures) and the ARO / VALSE filters, hand-computed."""
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from clipfinetune.eval import aro_order, box_cls, compositionality as comp, long_retrieval, retrieval
+from clipfinetune.eval.encode import Encoder
+from fixtures.eval import world
+from fixtures.eval.fakes import FakeModel, write_image
+
+
+def test_flickr_txt_keeps_commas_and_groups_by_first_appearance(tmp_path):
+    write_image(tmp_path / "1000.jpg", 1)
+    write_image(tmp_path / "2000.jpg", 2)
+    f = tmp_path / "flickr30k_test_karpathy.txt"
+    f.write_text("image,caption\n2000.jpg,A dog.\n1000.jpg,Someone cycling, fast.\n2000.jpg,A dog, running.\n")
+    d = retrieval.read_flickr_txt(f, tmp_path)
+    assert [p.split("/")[-1] for p in d.images] == ["2000.jpg", "1000.jpg"]
+    assert d.captions == ["A dog.", "A dog, running.", "Someone cycling, fast."]
+    assert d.caption_image == [0, 0, 1]
+
+
+def test_flickr_token_and_blip_list(tmp_path):
+    write_image(tmp_path / "flickr30k-images" / "1000.jpg", 1)
+    tok = tmp_path / "results.token"
+    tok.write_text("1000.jpg#0\tA man rides a bike .\n1000.jpg#1\tSomeone cycling .\n")
+    d = retrieval.read_flickr_token(tok, tmp_path / "flickr30k-images")
+    assert d.captions == ["A man rides a bike .", "Someone cycling ."] and d.caption_image == [0, 0]
+    blip = tmp_path / "flickr30k_test.json"
+    blip.write_text(json.dumps([{"image": "flickr30k-images/1000.jpg", "caption": ["a", "b", "c"]}]))
+    assert retrieval.read_blip_list(blip, tmp_path).caption_image == [0, 0, 0]
+
+
+def test_karpathy_reads_only_the_test_split(tmp_path):
+    cfg = world.build(tmp_path)["retrieval"]["sample"]
+    d = retrieval.load_retrieval_set(cfg)
+    assert [p.split("/")[-1] for p in d.images] == ["1.png", "2.png", "3.png"]
+    assert d.captions[:2] == ["A photo id1 of a thing.", "Another view id1 of it."]
+
+
+def test_docci_split_filter_excludes_train_and_qual_test(tmp_path):
+    cfg = world.build(tmp_path)["long_retrieval"]["sample"]
+    d = long_retrieval.load_long_set(cfg)
+    assert [p.split("/")[-1] for p in d.images] == ["test_00000.png", "test_00001.png"]
+
+
+def test_dci_extra_caption_and_complete_description(tmp_path):
+    rec = {"image": "sa_1.jpg", "short_caption": "A blue door.", "extra_caption": "It has a knob.",
+           "mask_keys": ["0", "1", "2"],
+           "mask_data": {"0": {"mask_quality": 0, "label": "door", "caption": "A blue wooden door."},
+                         "1": {"mask_quality": 1, "label": "knob"},
+                         "2": {"mask_quality": 2}}}
+    (tmp_path / "complete").mkdir()
+    (tmp_path / "complete" / "sa_1.json").write_text(json.dumps(rec))
+    (tmp_path / "splits.json").write_text(json.dumps({"train": [], "valid": [], "test": ["sa_1.json"]}))
+    write_image(tmp_path / "photos" / "sa_1.jpg", 1)
+    assert long_retrieval.read_dci(tmp_path).captions == ["It has a knob."]
+    full = long_retrieval.read_dci(tmp_path, field="complete").captions[0]
+    assert full == ("A blue door.\nIt has a knob.\nThe following can also be seen in the image:\n"
+                    "door: A blue wooden door.\nknob")
+
+
+def test_urban1k_first_line_numeric_order_and_goal_placeholder_paths(tmp_path):
+    u = tmp_path / "Urban1k"
+    for n in (10, 2, 1):
+        write_image(u / "image" / f"{n}.jpg", n)
+        (u / "caption" / f"{n}.txt").parent.mkdir(parents=True, exist_ok=True)
+        (u / "caption" / f"{n}.txt").write_text(f"caption {n}\nsecond line\n")
+    d = long_retrieval.read_urban1k(u)
+    assert d.captions == ["caption 1", "caption 2", "caption 10"]
+    goal = tmp_path / "urban_dataset_test.json"
+    goal.write_text(json.dumps([{"filename": "chage/path/to/your/directoryUrban1k/image/2.jpg", "caption": "c2"}]))
+    g = long_retrieval.read_goal_list(goal, u / "image")
+    assert g.images == [str(u / "image" / "2.jpg")]
+
+
+def test_panoptic_stuff_box_from_png_and_tiny_segment_skipped(tmp_path):
+    ids = np.zeros((32, 32), dtype=np.int64)
+    ids[24:32, 0:32] = 6979964                    # stuff: tight box [0, 24, 32, 32]
+    ids[2:22, 2:14] = 3226956                     # thing (bbox from the json)
+    ids[0:2, 30:32] = 5                           # tiny thing 2x2 -> skipped
+    rgb = np.stack([ids % 256, ids // 256 % 256, ids // 65536], -1).astype(np.uint8)
+    (tmp_path / "panoptic_val2017").mkdir()
+    Image.fromarray(rgb).save(tmp_path / "panoptic_val2017" / "000000000139.png")
+    write_image(tmp_path / "val2017" / "000000000139.jpg", 1, size=(32, 32))
+    pj = {"images": [{"id": 139, "file_name": "000000000139.jpg", "height": 32, "width": 32}],
+          "annotations": [{"image_id": 139, "file_name": "000000000139.png", "segments_info": [
+              {"id": 3226956, "category_id": 1, "iscrowd": 0, "bbox": [2, 2, 12, 20], "area": 240},
+              {"id": 6979964, "category_id": 184, "iscrowd": 0, "bbox": [0, 0, 1, 1], "area": 256},
+              {"id": 5, "category_id": 18, "iscrowd": 0, "bbox": [30, 0, 2, 2], "area": 4}]}],
+          "categories": [{"id": 1, "name": "person", "isthing": 1}, {"id": 18, "name": "dog", "isthing": 1},
+                         {"id": 184, "name": "tree-merged", "isthing": 0}]}
+    (tmp_path / "panoptic_val2017.json").write_text(json.dumps(pj))
+    d = box_cls.read_panoptic(tmp_path / "panoptic_val2017.json", tmp_path / "val2017")
+    assert d.classnames == ["person", "dog", "tree-merged"]
+    assert d.labels == [0, 2] and d.skipped["small_or_huge"] == 1
+    assert d.images[0][1].tolist() == [[2, 2, 14, 22], [0, 24, 32, 32]]
+
+
+def test_lvis_image_folder_from_coco_url_and_frequency_buckets(tmp_path):
+    write_image(tmp_path / "train2017" / "000000155379.jpg", 1, size=(32, 32))
+    lv = {"images": [{"id": 155379, "height": 32, "width": 32,
+                      "coco_url": "http://images.cocodataset.org/train2017/000000155379.jpg"}],
+          "annotations": [{"id": 1, "image_id": 155379, "category_id": 2, "bbox": [1, 1, 10, 10], "area": 100},
+                          {"id": 2, "image_id": 155379, "category_id": 3, "bbox": [12, 12, 10, 10], "area": 100}],
+          "categories": [{"id": 1, "name": "aerosol_can", "frequency": "c"},
+                         {"id": 2, "name": "air_conditioner", "frequency": "f"},
+                         {"id": 3, "name": "applesauce", "frequency": "r"}]}
+    (tmp_path / "lvis_v1_val.json").write_text(json.dumps(lv))
+    d = box_cls.read_lvis(tmp_path / "lvis_v1_val.json", tmp_path)
+    assert d.classnames == ["aerosol can", "air conditioner", "applesauce"] and d.labels == [1, 2]
+    m = box_cls.box_metrics(np.array([[0, 1.0, 0], [0, 1.0, 0]]), d.labels, d.frequency)
+    assert (m["macc1_f"], m["macc1_r"], m["macc1_c"]) == (100.0, 0.0, None)
+
+
+def test_vild_prompts_with_this_is_prefix():
+    p = box_cls.class_prompts("apple")
+    assert len(p) == 63
+    assert p[0] == "There is an apple in the scene."
+    assert p[2] == "This is a photo of an apple in the scene."
+    assert "This is the plastic apple." in p and "This is an embroidered apple." in p
+
+
+def test_vg_relation_macro_excludes_symmetric_and_vga_needs_25(tmp_path):
+    write_image(tmp_path / "images" / "vg.png", 41)
+    rels = [("sitting on", True), ("sitting on", False), ("riding", True), ("next to", False), ("beside", False)]
+    vgr = [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "relation_name": r,
+            "true_caption": f"id41 {r}" if ok else f"id40 {r}", "false_caption": f"id40 false {r}"}
+           for r, ok in rels]
+    # a tie (true and false both id40) is wrong: ARO argmax picks index 0 = false caption
+    vga = ([{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "attributes": ["red", "blue"],
+             "true_caption": "id41 t", "false_caption": "id40 f"}] * 20
+           + [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "attributes": ["red", "blue"],
+               "true_caption": "id40 t", "false_caption": "id40 f"}] * 5
+           + [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "attributes": ["big", "small"],
+               "true_caption": "id40 t", "false_caption": "id41 f"}] * 24)
+    (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
+    (tmp_path / "visual_genome_attribution.json").write_text(json.dumps(vga))
+    enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
+    m = comp.evaluate_vg(enc, tmp_path, tmp_path / "images")
+    # non-symmetric relations: "sitting on" 1/2, "riding" 1/1 -> macro 75 (micro 2/5 = 40)
+    assert m["vg_relation"] == pytest.approx(75.0) and m["n_vg_relation_groups"] == 2
+    assert m["vg_relation_micro"] == pytest.approx(40.0)
+    # only red_blue has >= 25 cases: 20/25; big_small (24 cases, all wrong) excluded
+    assert m["vg_attribution"] == pytest.approx(80.0) and m["n_vg_attribution_groups"] == 1
+    assert "next to" in comp.ARO_SYMMETRIC_RELATIONS and "sitting on" not in comp.ARO_SYMMETRIC_RELATIONS
+
+
+def test_vg_crops_the_image_to_the_box(tmp_path):
+    write_image(tmp_path / "images" / "g.png", [[41, 40], [40, 40]], size=(32, 32))
+    vgr = [{"image_path": "g.png", "bbox_x": x, "bbox_y": 0, "bbox_w": 16, "bbox_h": 16, "relation_name": "on",
+            "true_caption": "id41 yes", "false_caption": "id40 no"} for x in (0, 16)]
+    (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
+    enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
+    assert comp.evaluate_vg(enc, tmp_path, tmp_path / "images")["vg_relation_micro"] == pytest.approx(50.0)
+
+
+def test_valse_filter_drops_low_agreement_samples(tmp_path):
+    cfg = world.build(tmp_path)["valse"]["sample"]
+    data = comp.read_valse(cfg["dir"], cfg["images"])
+    assert [r["caption"] for r in data["relations"]] == ["cup id51 on table"]
+
+
+def test_pre_caption_and_order_options_are_permutations():
+    assert aro_order.pre_caption('A "Dog" (big); runs.  Fast!') == "a dog big runs fast"
+    assert aro_order.pre_caption(" ".join(["w"] * 40)) == " ".join(["w"] * 30)
+    toks = ["a", "red", "square", "left", "of", "a", "blue", "circle"]
+    tags = ["DT", "JJ", "NN", "RB", "IN", "DT", "JJ", "NN"]
+    opts = aro_order.Shuffler(seed=1).options(toks, tags, " ".join(toks))
+    assert len(opts) == 5 and opts[0] == "a red square left of a blue circle"
+    for o in opts[1:]:
+        assert sorted(o.split()) == sorted(toks)
+    # nouns/adjectives stay in noun/adjective slots in option 1; others stay in place in option 2
+    o1, o2 = opts[1].split(), opts[2].split()
+    assert {o1[2], o1[7]} == {"square", "circle"} and {o1[1], o1[6]} == {"red", "blue"}
+    assert [o2[i] for i in (1, 2, 6, 7)] == ["red", "square", "blue", "circle"]
+    assert aro_order.Shuffler(seed=1).options(toks, tags, " ".join(toks)) == opts      # seeded
+
+
+def test_order_argmax_first_maximum_wins():
+    s = np.array([[0.5, 0.5, 0.1, 0.1, 0.1],      # tie with the original -> original (index 0) -> correct
+                  [0.4, 0.5, 0.1, 0.1, 0.1],
+                  [0.9, 0.1, 0.2, 0.3, 0.4]])
+    assert aro_order.order_correct(s).tolist() == [True, False, True]

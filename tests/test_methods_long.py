@@ -1,0 +1,357 @@
+"""GOAL and MulCLIP methods (long captions, 248-token text) on crafted DOCCI shard records and tiny random CLIPs:
+example shapes, box -> patches at two patch sizes, the sentence's token span, truncation, global-only records,
+finite terms and gradients, the Long-CLIP stretch, MulCLIP's new-module parameter group."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import re
+
+import open_clip
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import default_collate
+
+from clipfinetune.data.loader import ExampleContext
+from clipfinetune.methods import get_method
+from clipfinetune.models import load_model
+from clipfinetune.train.optim import parameter_groups
+
+W, H = 120, 90                      # original image size (not square: the squash resize scales x and y apart)
+CAPTION = ("A picture of four shapes on a grey background. There is a small red circle in the top left corner. "
+           "A big blue square sits at the bottom middle. The lighting is flat and even.")
+SENTENCES = ["A picture of four shapes on a grey background.", "There is a small red circle in the top left corner.",
+             "A big blue square sits at the bottom middle.", "The lighting is flat and even."]
+
+
+def spans(caption, sentences):
+    out, at = [], 0
+    for s in sentences:
+        start = caption.index(s, at)
+        out.append({"text": s, "char_span": [start, start + len(s)]})
+        at = start + len(s)
+    return out
+
+
+def docci_record(i=0, box=(10, 5, 50, 40), sentence_index=1, caption=CAPTION, sentences=SENTENCES):
+    return {"image_id": f"train_{i:05d}", "source": "docci", "width": W, "height": H, "captions": [],
+            "long_caption": caption, "word_regions": [], "sentences": spans(caption, sentences),
+            "local_pair": [] if box is None else [{"sentence_index": sentence_index, "box": list(box)}],
+            "negatives": []}
+
+
+def image(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(H, W, 3, generator=g) * 255).to(torch.uint8).numpy())
+
+
+def context(model):
+    """The real ExampleContext, built from the model as the train stage does (248-token long tokenizer)."""
+    return ExampleContext(model.transform, model.tokenize, model.image_size,
+                          tokenize_long=lambda texts: model.tokenize(texts, context_length=248),
+                          token_span=model.token_span)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("cft-tiny-vit")              # 64 px input, 8 px patches, 8 x 8 grid
+
+
+@pytest.fixture(scope="module")
+def tiny16(tmp_path_factory):
+    """The same tiny CLIP at 96 px with 16 px patches (6 x 6 grid)."""
+    cfg = copy.deepcopy(open_clip.get_model_config("cft-tiny-vit"))
+    cfg["vision_cfg"].update(image_size=96, patch_size=16)
+    folder = tmp_path_factory.mktemp("cfg")
+    (folder / "cft-tiny-vit-p16.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(folder)
+    torch.manual_seed(1)
+    return load_model("cft-tiny-vit-p16")
+
+
+def make_batch(method, model, records, seed=0):
+    ctx, rng = context(model), random.Random(seed)
+    return default_collate([method.make_example(r, image(i), rng, ctx) for i, r in enumerate(records)])
+
+
+def expected_patches(box, size, patch):
+    """Independent: squash-scale the original-pixel box to the input, list every patch it touches (row-major)."""
+    x0, y0, x1, y1 = box[0] * size / W, box[1] * size / H, box[2] * size / W, box[3] * size / H
+    grid = size // patch
+    cols = range(int(x0 // patch), min(grid, math.ceil(x1 / patch)))
+    rows = range(int(y0 // patch), min(grid, math.ceil(y1 / patch)))
+    return sorted(r * grid + c for r in rows for c in cols)
+
+
+def decode(model, ids):
+    return re.sub(r" ([.,])", r"\1", model.tokenizer.decode([int(i) for i in ids]).strip())
+
+
+# ------------------------------------------------------------------------------------------------ GOAL
+def test_goal_example_shapes_and_span(tiny):
+    model = copy.deepcopy(tiny)
+    goal = get_method("goal")()
+    ex = goal.make_example(docci_record(), image(), random.Random(0), context(model))
+    assert ex["image"].shape == ex["local_image"].shape == (3, 64, 64)
+    assert ex["text"].shape == ex["local_text"].shape == ex["span_mask"].shape == (248,)
+    assert ex["box"].shape == (4,) and bool(ex["local_valid"]) and bool(ex["span_valid"])
+    # the span covers exactly the sentence's tokens inside the long caption
+    span_ids = ex["text"][ex["span_mask"]]
+    assert decode(model, span_ids).lower() == SENTENCES[1].lower()
+    assert span_ids.tolist() == model.tokenizer.encode(SENTENCES[1])
+    positions = ex["span_mask"].nonzero()[:, 0].tolist()
+    n_before = len(model.tokenizer.encode(" ".join(SENTENCES[:1])))
+    assert positions == list(range(1 + n_before, 1 + n_before + len(span_ids)))      # contiguous, after SOT
+    # the crop is the box itself (no enlargement), background kept
+    crop = model.transform(image().crop((10, 5, 50, 40)))
+    assert torch.allclose(ex["local_image"], crop)
+    assert torch.allclose(ex["box"], torch.tensor([10 * 64 / W, 5 * 64 / H, 50 * 64 / W, 40 * 64 / H]))
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny16"])
+def test_goal_box_to_patches_matches_independent_grid(which, request):
+    model = copy.deepcopy(request.getfixturevalue(which))
+    size, patch = model.image_size, model.patch_size
+    boxes = [(0, 0, W, H), (10, 5, 50, 40), (61, 44, 62, 46), (100, 70, 120, 90), (30, 0, 31, 90)]
+    goal = get_method("goal")()
+    built = goal.build(model)
+    batch = make_batch(goal, model, [docci_record(i, box=b) for i, b in enumerate(boxes)])
+    masks = model.box_patch_mask(batch["box"])
+    for b, mask in zip(boxes, masks):
+        assert mask.nonzero()[:, 0].tolist() == expected_patches(b, size, patch), b
+    # and the region the forward pools is the mean of exactly those pre-ln_post patch states
+    with torch.no_grad():
+        features = built(batch)
+        hidden = model.image_features(batch["image"])["hidden"]
+    for i, b in enumerate(boxes):
+        pooled = model.pool_image_hidden(hidden[i, expected_patches(b, size, patch)].mean(0, keepdim=True))[0]
+        assert torch.allclose(features["region_pooled"][i], pooled, atol=1e-5)
+
+
+def test_goal_truncated_span_and_missing_pair_are_flagged_and_counted(tiny):
+    model = copy.deepcopy(tiny)
+    goal = get_method("goal")()
+    filler = ["There is a small red circle number %d in the top left corner of the picture." % i for i in range(20)]
+    tail = "A lone green star hides at the very end."
+    long_caption = " ".join(filler + [tail])
+    assert len(model.tokenizer.encode(long_caption)) > 260
+    truncated = docci_record(0, sentence_index=20, caption=long_caption, sentences=filler + [tail])
+    no_pair = docci_record(1, box=None)
+    records = [docci_record(2), truncated, no_pair, docci_record(3, sentence_index=3)]
+    built = goal.build(model)
+    batch = make_batch(goal, model, records)
+    assert batch["span_valid"].tolist() == [True, False, False, True]
+    assert batch["local_valid"].tolist() == [True, True, False, True]
+    assert not batch["span_mask"][1].any()
+    loss = goal.loss()
+    terms = loss(built(batch))
+    assert set(terms) == {"contrastive", "local_contrastive", "tsl_image", "tsl_text"}
+    assert loss.stats == {"n_local": 3, "n_global_only": 1, "n_tsl_text_dropped": 1}
+
+
+def test_goal_forward_backward_finite(tiny):
+    model = copy.deepcopy(tiny)
+    goal = get_method("goal")(lambda_global=1.0, lambda_local=0.5, lambda_tsl=1.0, tsl_target="diag")
+    built = goal.build(model)
+    batch = make_batch(goal, model, [docci_record(0), docci_record(1, box=None), docci_record(2, (60, 40, 119, 89), 2),
+                                     docci_record(3, (0, 0, 30, 30), 3)])
+    terms = goal.loss()(built(batch))
+    assert all(torch.isfinite(t) and t.ndim == 0 for t in terms.values())
+    assert all(float(terms[k].detach()) > 0 for k in ("contrastive", "local_contrastive", "tsl_image", "tsl_text"))
+    sum(terms.values()).backward()
+    grads = [p.grad for p in built.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.clip.positional_embedding.grad[:20].abs().sum() > 0          # GOAL trains all 248 rows
+
+
+def test_goal_global_only_reads_no_local_inputs(tiny):
+    model = copy.deepcopy(tiny)
+    goal = get_method("goal")(lambda_global=1.0, lambda_local=0.0, lambda_tsl=0.0, tsl_target="diag")
+    built = goal.build(model)
+    batch = make_batch(goal, model, [docci_record(i) for i in range(4)])
+    assert set(batch) == {"image", "text"}
+    terms = goal.loss()(built(batch))
+    assert float(terms["local_contrastive"].detach()) == 0 and float(terms["contrastive"].detach()) > 0
+
+
+def test_stretch_happens_once_and_respects_a_long_base(tiny):
+    model = copy.deepcopy(tiny)
+    goal = get_method("goal")()
+    goal.build(model)
+    table = model.clip.positional_embedding.detach().clone()
+    assert table.shape[0] == 248 and model.context_length == 248
+    goal.build(model)                                             # idempotent
+    assert torch.equal(model.clip.positional_embedding.detach(), table)
+    get_method("mulclip")().build(model)                          # a base already at 248 is left alone
+    assert torch.equal(model.clip.positional_embedding.detach(), table)
+    assert not torch.nn.utils.parametrize.is_parametrized(model.clip, "positional_embedding")
+
+
+# ------------------------------------------------------------------------------------------------ MulCLIP
+def test_mulclip_example_shapes(tiny):
+    model = copy.deepcopy(tiny)
+    mulclip = get_method("mulclip")(max_sentences=6)
+    ex = mulclip.make_example(docci_record(), image(), random.Random(0), context(model))
+    assert ex["image"].shape == (3, 64, 64) and ex["text"].shape == (248,)
+    assert ex["sub_text"].shape == (6, 248) and ex["sub_valid"].tolist() == [True] * 4 + [False] * 2
+    assert decode(model, ex["sub_text"][0][1:int(ex["sub_text"][0].argmax())]).lower() == SENTENCES[0].lower()
+    short = get_method("mulclip")(lambda_word=0.0, lambda_sub=0.0).make_example(
+        docci_record(), image(), random.Random(0), context(model))
+    assert set(short) == {"image", "text", "short"} and torch.equal(short["short"], ex["sub_text"][0])
+
+
+def test_mulclip_new_modules_in_param_group_and_trained(tiny):
+    model = copy.deepcopy(tiny)
+    mulclip = get_method("mulclip")(lambda_short=0.5, lambda_word=1.0, lambda_sub=1.0, token_ratio=0.5,
+                                     max_sentences=15, new_module_lr=2e-3)
+    built = mulclip.build(model)
+    assert model.context_length == 248
+    assert torch.nn.utils.parametrize.is_parametrized(model.clip, "positional_embedding")   # rows 0..19 frozen
+    assert not model.clip.logit_scale.requires_grad
+    loss = mulclip.loss()
+    new = {id(p) for p in loss.parameters()}
+    assert new and new <= {id(p) for p in built.parameters()}               # optimised/checkpointed with the module
+    assert any(k.startswith("new_modules.") for k in built.state_dict())
+    groups = parameter_groups(built, 1e-4, 0.1, mulclip.param_groups(built))
+    by_name = {g["name"]: g for g in groups}
+    claimed = [id(p) for g in groups if g["name"].startswith("new_modules") for p in g["params"]]
+    assert sorted(claimed) == sorted(new) and len(claimed) == len(set(claimed))
+    assert by_name["new_modules"]["lr"] == by_name["new_modules_no_decay"]["lr"] == 2e-3
+    no_decay = {id(p) for p in by_name["new_modules_no_decay"]["params"]}
+    for head in loss.heads.values():
+        assert {id(head.logit_scale), id(head.logit_bias)} <= no_decay
+    all_ids = [id(p) for g in groups for p in g["params"]]
+    assert len(all_ids) == len(set(all_ids))                                 # each parameter optimised once
+
+    records = [docci_record(i, sentences=SENTENCES[:1 + i]) for i in range(4)]
+    records = [dict(r, long_caption=CAPTION) for r in records]
+    batch = make_batch(mulclip, model, records)
+    features = built(batch)
+    assert features["text_tokens"].shape[1] == 248
+    terms = loss(features)
+    assert set(terms) == {"contrastive", "contrastive_short", "word_patch", "subcaption_patch"}
+    assert all(torch.isfinite(t) for t in terms.values())
+    sum(terms.values()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in loss.parameters())
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in built.parameters())
+    assert model.clip.transformer.resblocks[0].attn.in_proj_weight.grad is not None
+
+
+def test_mulclip_trimmed_text_equals_full_context(tiny):
+    """Zero-padding the trimmed text states to 248 gives the loss of encoding all 248 positions."""
+    model = copy.deepcopy(tiny)
+    mulclip = get_method("mulclip")(max_sentences=4)
+    built = mulclip.build(model)
+    loss = mulclip.loss()
+    batch = make_batch(mulclip, model, [docci_record(i) for i in range(4)])
+    with torch.no_grad():
+        features = built(batch)
+        full = model.text_features(batch["text"], trim=False)
+        reference = dict(features, text_tokens=full["tokens"], text_mask=full["mask"])
+        a, b = loss(features), loss(reference)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_mulclip_global_only_freezes_unused_new_modules(tiny):
+    model = copy.deepcopy(tiny)
+    mulclip = get_method("mulclip")(lambda_short=0.5, lambda_word=0.0, lambda_sub=0.0, token_ratio=0.5,
+                                     max_sentences=15, new_module_lr=2e-3)
+    built = mulclip.build(model)
+    trainable = [n for n, p in built.new_modules.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith("heads.global.") for n in trainable)
+    batch = make_batch(mulclip, model, [docci_record(i) for i in range(4)])
+    terms = mulclip.loss()(built(batch))
+    sum(terms.values()).backward()
+    assert all(p.grad is not None for p in built.parameters() if p.requires_grad)   # nothing left for DDP to wait on
+
+
+# ------------------------------------------------------------------------------------------------ custom
+class FixedNegativesContext(ExampleContext):
+    """The real context with FSC-CLIP's rule negatives replaced by fixed ones (no spaCy in a unit test)."""
+
+    def online_negatives(self, caption, rng):
+        words = caption.split()
+        return {"negclip": " ".join(words[::-1]), "replace": caption.replace("red", "blue"), "shuffle": None}
+
+
+def coco_record(i):
+    captions = [f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"]
+    return {"image_id": str(i), "source": "coco", "width": W, "height": H, "captions": captions, "long_caption": "",
+            "word_regions": [{"caption_index": 0, "word": "circle", "char_span": [6, 12], "box": [10, 20, 60, 70],
+                              "category": "circle"}],
+            "sentences": [], "local_pair": [],
+            "negatives": [{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
+                          {"caption_index": 1, "type": "reshuffle", "texts": [f"a yellow star above a blue ring {i}"]}]}
+
+
+def perturb(model):
+    """The same small deterministic change to every copy's student weights (after the teachers were copied)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in sorted(model.clip.named_parameters()):
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def test_custom_equals_weighted_sum_of_each_methods_own_terms(tiny):
+    terms = {"fsc_clip.local_hn": 0.5, "degla.distill": 0.005, "harmoclip.global_region": 1.0}   # params.yaml mix
+    custom = get_method("custom")(terms=terms)
+    model = copy.deepcopy(tiny)
+    module, loss = custom.build(model), custom.loss()
+    perturb(model)
+    ctx = FixedNegativesContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+    rng = random.Random(0)
+    records = [coco_record(i) for i in range(4)]
+    assert all(custom.wants(r) for r in records)
+    assert not custom.wants(dict(records[0], negatives=[])) and not custom.wants(docci_record())
+    batch = default_collate([custom.make_example(r, image(i), rng, ctx) for i, r in enumerate(records)])
+
+    calls = []
+    visual = model.clip.visual
+    original = visual.forward_intermediates
+    visual.forward_intermediates = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        out = loss(module(batch))
+    finally:
+        del visual.forward_intermediates
+    assert len(calls) == 2          # clip, fsc_clip, degla share one image forward; harmoclip's dense one is another
+    assert set(out) == {"clip.contrastive", "fsc_clip.local_hn", "degla.distill", "harmoclip.global_region"}
+    sum(out.values()).backward()
+
+    # each method alone, at its DEFAULT lambdas (which these weights equal), on its own copy of the same model
+    expected, grads = {}, {}
+    for name, term in [("clip", "contrastive"), ("fsc_clip", "local_hn"), ("degla", "distill"),
+                       ("harmoclip", "global_region")]:
+        method, own = get_method(name)(), copy.deepcopy(tiny)
+        built = method.build(own)
+        perturb(own)
+        view = {k[len(name) + 1:]: v for k, v in batch.items() if k.startswith(name + ".")}
+        value = method.loss()(dict(built(dict(view, image=batch["image"]))))[term]
+        value.backward()
+        expected[f"{name}.{term}"] = value.detach()
+        for n, p in own.clip.named_parameters():
+            if p.grad is not None:
+                grads[n] = grads.get(n, 0) + p.grad
+    for key, value in expected.items():
+        assert torch.allclose(out[key].detach(), value, rtol=1e-5, atol=1e-7), key
+    assert float(expected["degla.distill"]) > 0 and float(expected["harmoclip.global_region"]) > 0
+    for n, p in model.clip.named_parameters():
+        if n in grads:
+            assert p.grad is not None and torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6), n
+        else:
+            assert p.grad is None or not p.grad.any(), n
+
+
+def test_custom_term_parsing():
+    custom = get_method("custom")
+    with pytest.raises(ValueError, match="unknown term"):
+        custom(terms={"fsc_clip.local_hnn": 1.0})
+    only_goal = custom(terms={"clip.contrastive": 0, "goal.tsl_image": 2.0})
+    assert list(only_goal.methods) == ["goal"] and only_goal.weights == {"goal": {"tsl_image": 2.0}}
+    goal = only_goal.methods["goal"]
+    assert (goal.lambda_global, goal.lambda_local, goal.lambda_tsl) == (0.0, 0.0, 1.0)
+    assert list(custom(terms={}).weights) == ["clip"]

@@ -1,0 +1,197 @@
+"""The training loop's step: optimisation, accumulation, precision, parameter groups, schedule, hooks, settings."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clipfinetune.methods import MethodNotImplemented, get_method
+from clipfinetune.methods import METHODS as _METHODS  # noqa: F401  (registry import works without heavy deps)
+from clipfinetune.methods.clip import ClipMethod
+from clipfinetune.train import Trainer, merge_train_settings
+from clipfinetune.train.optim import build_scheduler, parameter_groups
+from test_train_support import TinyClipModel, ToySource, config, fixed_batch
+
+torch.set_num_threads(1)
+
+
+def reference_clip_loss(model, batch) -> torch.Tensor:
+    """Independent symmetric InfoNCE of the whole batch (not the loss module under test)."""
+    with torch.no_grad():
+        img = F.normalize(model.clip.encode_image(batch["image"]), dim=-1)
+        txt = F.normalize(model.clip.encode_text(batch["text"]), dim=-1)
+        logits = model.clip.logit_scale.exp() * img @ txt.T
+        labels = torch.arange(len(img))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def trainer_for(model=None, method=None, **cfg):
+    return Trainer(method or ClipMethod(), model or TinyClipModel(), ToySource(), config(**cfg))
+
+
+def test_one_optimiser_step_lowers_the_loss_on_a_fixed_batch():
+    trainer = trainer_for(lr=1e-3)
+    batch = fixed_batch(8)
+    before = reference_clip_loss(trainer.module.model, batch)
+    scalars = trainer.train_step([batch])
+    after = reference_clip_loss(trainer.module.model, batch)
+    assert scalars["loss"] == pytest.approx(before.item(), rel=1e-5)
+    assert after < before
+    assert trainer.step == 1
+
+
+def gradients(trainer):
+    return {n: p.grad.clone() for n, p in trainer.module.named_parameters() if p.grad is not None}
+
+
+def test_accumulating_k_micro_batches_equals_one_step_on_the_whole_batch():
+    batch = fixed_batch(8)
+    whole = trainer_for(batch_size=8, accum_steps=1)
+    accumulated = trainer_for(batch_size=8, accum_steps=4)
+    terms_whole = whole.compute_gradients([batch])
+    micro = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    terms_acc = accumulated.compute_gradients(micro)
+    assert terms_acc["contrastive"].item() == pytest.approx(terms_whole["contrastive"].item(), rel=1e-6)
+    g_whole, g_acc = gradients(whole), gradients(accumulated)
+    assert g_whole.keys() == g_acc.keys()
+    for name in g_whole:
+        torch.testing.assert_close(g_acc[name], g_whole[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bf16_autocast_branch_runs_a_step_on_cpu():
+    seen = {}
+
+    class Spy(ClipMethod):
+        def build(self, model):
+            module = super().build(model)
+            inner = module.forward
+
+            def forward(batch):
+                seen["autocast"] = torch.is_autocast_enabled("cpu")
+                seen["dtype"] = torch.get_autocast_dtype("cpu")
+                return inner(batch)
+            module.forward = forward
+            return module
+
+    trainer = trainer_for(method=Spy(), precision="bf16")
+    before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+    scalars = trainer.train_step([fixed_batch(8)])
+    assert seen == {"autocast": True, "dtype": torch.bfloat16}
+    assert math.isfinite(scalars["loss"])
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.module.named_parameters())
+
+
+def test_logit_scale_is_clamped_to_ln_100_after_each_step_and_after_step_hook_runs():
+    calls = []
+
+    class Hooked(ClipMethod):
+        def after_step(self, module):
+            calls.append(module.model.clip.logit_scale.item())
+
+    model = TinyClipModel()
+    with torch.no_grad():
+        model.clip.logit_scale.fill_(8.0)
+    trainer = trainer_for(model=model, method=Hooked())
+    trainer.train_step([fixed_batch(8)])
+    trainer.train_step([fixed_batch(8)])
+    assert len(calls) == 2
+    assert all(v <= math.log(100) + 1e-7 for v in calls)
+
+
+def test_no_weight_decay_on_norms_biases_1d_params_and_logit_scale():
+    model = TinyClipModel()
+    norm_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    groups = parameter_groups(model, lr=1e-3, wd=0.2)
+    wd_of = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    assert len(wd_of) == sum(1 for _ in model.parameters())
+    for name, p in model.named_parameters():
+        exempt = id(p) in norm_params or name.endswith("bias") or "logit_scale" in name or p.ndim < 2
+        assert wd_of[id(p)] == (0.0 if exempt else 0.2), name
+    assert wd_of[id(model.clip.visual.conv1.weight)] == 0.2
+    assert wd_of[id(model.clip.logit_scale)] == 0.0
+
+
+def test_method_param_groups_get_their_own_learning_rate():
+    class NewModules(ClipMethod):
+        def param_groups(self, module):
+            return [{"name": "new", "params": [module.model.clip.text_projection], "lr": 5e-2}]
+
+    trainer = trainer_for(method=NewModules(), lr=1e-3)
+    by_name = {g["name"]: g for g in trainer.optimizer.param_groups}
+    assert [p is trainer.module.model.clip.text_projection for p in by_name["new"]["params"]] == [True]
+    assert by_name["new"]["lr"] == 5e-2 and by_name["default"]["lr"] == 1e-3
+    scalars = trainer.train_step([fixed_batch(8)])
+    assert scalars["lr_new"] == 5e-2 and scalars["lr"] == 1e-3
+
+
+def test_cosine_schedule_with_linear_warmup_matches_the_formula():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = torch.optim.AdamW([{"params": [p], "lr": 0.5}])
+    sched = build_scheduler(opt, warmup=4, total=20)
+    got = []
+    for _ in range(20):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [0.5 * (s + 1) / 4 for s in range(4)] + \
+               [0.25 * (1 + math.cos(math.pi * (s - 4) / 16)) for s in range(4, 20)]
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert got[3] == pytest.approx(0.5) and got[4] == pytest.approx(0.5)
+
+
+def test_overrides_replace_shared_keys_and_unknown_keys_fail():
+    shared = {"lr": 1e-4, "epochs": 2, "batch_size": 8}
+    settings, extras = merge_train_settings(shared, {"lr": 1e-5, "new_module_lr": 2e-4}, {"new_module_lr"})
+    assert settings == {"lr": 1e-5, "epochs": 2, "batch_size": 8} and extras == {"new_module_lr": 2e-4}
+    with pytest.raises(ValueError, match="unknown override keys.*'lrr'"):
+        merge_train_settings(shared, {"lrr": 1e-5})
+    with pytest.raises(ValueError, match="new_module_lr"):
+        merge_train_settings(shared, {"new_module_lr": 2e-4})       # not this method's key
+
+
+def test_registry_finds_clip_and_names_missing_methods(monkeypatch):
+    assert get_method("clip") is ClipMethod
+    import clipfinetune.methods as registry
+
+    monkeypatch.setattr(registry, "METHODS", registry.METHODS + ("not_written",))
+    with pytest.raises(MethodNotImplemented, match="method 'not_written' not implemented yet"):
+        get_method("not_written")
+    with pytest.raises(ValueError, match="unknown method"):
+        get_method("nope")
+
+
+class LearnableTemperature(ClipMethod):
+    """A loss that owns a parameter (as MulCLIP's heads): its gradient must not be counted once per micro-batch."""
+
+    def build(self, model):
+        module = super().build(model)
+        module.loss_module = self._loss = _ScaledClipLoss()
+        return module
+
+    def loss(self):
+        return self._loss
+
+
+class _ScaledClipLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, f):
+        logits = self.scale * f["logit_scale"] * f["image"] @ f["text"].T
+        labels = torch.arange(len(logits))
+        return {"contrastive": (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2}
+
+
+def test_accumulation_counts_the_gradient_of_loss_owned_parameters_once():
+    batch = fixed_batch(8)
+    whole = trainer_for(method=LearnableTemperature(), batch_size=8, accum_steps=1)
+    accumulated = trainer_for(method=LearnableTemperature(), batch_size=8, accum_steps=2)
+    whole.compute_gradients([batch])
+    accumulated.compute_gradients([{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}])
+    g_whole, g_acc = gradients(whole), gradients(accumulated)
+    assert "loss_module.scale" in g_whole
+    for name in g_whole:
+        torch.testing.assert_close(g_acc[name], g_whole[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,196 @@
+"""Checkpoints: exact resume, fingerprints, non-finite stops, and refusing bad files."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from clipfinetune.methods.clip import ClipMethod
+from clipfinetune.train import CheckpointError, NonFiniteLossError, Trainer, fingerprint, load_checkpoint
+from clipfinetune.train.checkpoint import FORMAT, save_checkpoint
+from test_train_support import TinyClipModel, ToySource, config
+
+torch.set_num_threads(1)
+
+# 40 samples, micro-batches of 4, accum 2 -> 5 optimiser steps per epoch, 15 in all; checkpoints every 4 steps.
+SETTINGS = dict(epochs=3, batch_size=8, accum_steps=2, checkpoint_every=4, lr=2e-3, warmup=3)
+
+
+def run(tmp_path, name, crash_at=None, fp="run-a", workers=2):
+    trainer = Trainer(ClipMethod(), TinyClipModel(seed=0), ToySource(n=40, batch_size=4, workers=workers,
+                                                                       crash_at=crash_at),
+                      config(**SETTINGS), checkpoint_dir=tmp_path / name / "ckpt", live_dir=tmp_path / name / "live",
+                      fingerprint=fp)
+    return trainer, trainer.fit()
+
+
+def loss_history(live_dir):
+    with open(live_dir / "plots" / "metrics" / "loss.tsv") as f:
+        return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f, delimiter="\t")]
+
+
+def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
+    _, straight = run(tmp_path, "straight")
+    # killed while loading micro-batch 5 of epoch 1 (optimiser step 8 of 15): the last checkpoint is step 4
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "resumed", crash_at=(1, 5))
+    assert load_checkpoint(tmp_path / "resumed" / "ckpt" / "last.pt")["step"] == 4
+    trainer, resumed = run(tmp_path, "resumed")
+    assert trainer.resumed and trainer.step == 15
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    # the dvclive history is continuous: steps 1..15 once each, equal to the uninterrupted run's losses
+    assert loss_history(tmp_path / "resumed" / "live") == loss_history(tmp_path / "straight" / "live")
+    assert [s for s, _ in loss_history(tmp_path / "resumed" / "live")] == list(range(1, 16))
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "shared", crash_at=(1, 5), fp="params-before", workers=0)
+    trainer, changed = run(tmp_path, "shared", fp="params-after", workers=0)
+    assert not trainer.resumed
+    _, fresh = run(tmp_path, "fresh", fp="params-after", workers=0)
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), changed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert load_checkpoint(tmp_path / "shared" / "ckpt" / "last.pt")["fingerprint"] == "params-after"
+
+
+def test_fingerprint_follows_params_and_input_content(tmp_path):
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "inputs" / "a.json").write_text("[1]")
+    fp = fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
+    assert fp == fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
+    assert fp != fingerprint("train@clip", {"train": {"lr": 2e-4}}, ["inputs"], root=tmp_path)
+    assert fp != fingerprint("train@goal", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
+    assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], world_size=2, root=tmp_path)
+    (tmp_path / "inputs" / "a.json").write_text("[2]")
+    assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
+
+
+class NaNAtStep3(ClipMethod):
+    def loss(self):
+        base = super().loss()
+
+        class Loss(torch.nn.Module):
+            calls = 0
+
+            def forward(self, features):
+                Loss.calls += 1
+                terms = base(features)
+                scale = float("nan") if Loss.calls == 3 else 0.0
+                return {**terms, "boom": terms["contrastive"] * scale}
+        return Loss()
+
+
+def test_non_finite_loss_stops_naming_step_and_term_and_keeps_the_last_good_checkpoint(tmp_path):
+    trainer = Trainer(NaNAtStep3(), TinyClipModel(), ToySource(n=40, batch_size=8),
+                      config(epochs=2, checkpoint_every=2), checkpoint_dir=tmp_path / "ckpt", fingerprint="x")
+    with pytest.raises(NonFiniteLossError) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "optimiser step 3" in message and "'boom'" in message and "last.pt (step 2)" in message
+    ckpt = load_checkpoint(tmp_path / "ckpt" / "last.pt")
+    assert ckpt["step"] == 2
+    for name, value in trainer.module.state_dict().items():      # weights untouched by the failed step
+        assert torch.equal(ckpt["model"][name], value), name
+        assert torch.isfinite(value).all()
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("arbitrary code ran",))
+
+
+def test_a_checkpoint_with_a_pickle_payload_is_refused(tmp_path):
+    path = tmp_path / "ckpt" / "last.pt"
+    path.parent.mkdir()
+    torch.save({"format": FORMAT, "step": 1, "payload": Payload()}, path)
+    with pytest.raises(CheckpointError, match="refused") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(CheckpointError, match="refused"):
+        Trainer(ClipMethod(), TinyClipModel(), ToySource(), config(), checkpoint_dir=path.parent)
+
+
+def test_a_truncated_checkpoint_gives_a_clear_error_naming_the_file(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"step": 3, "model": TinyClipModel().state_dict()})
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ with the real loader
+def _write_shards(root, n=24, per_shard=12):
+    import io
+    import json as _json
+
+    import webdataset as wds
+    from PIL import Image
+
+    root.mkdir()
+    for s in range(n // per_shard):
+        with wds.TarWriter(str(root / f"train-{s:06d}.tar")) as sink:
+            for i in range(s * per_shard, (s + 1) * per_shard):
+                jpg = io.BytesIO()
+                Image.new("RGB", (16, 16), ((37 * i) % 256, (91 * i) % 256, 128)).save(jpg, format="JPEG")
+                caps = [f"{i} {c}" for c in range(3)]
+                record = {"image_id": str(i), "source": "coco", "width": 16, "height": 16, "captions": caps,
+                          "long_caption": "", "word_regions": [], "sentences": [], "local_pair": [], "negatives": []}
+                sink.write({"__key__": f"coco_{i}", "jpg": jpg.getvalue(), "txt": caps[0],
+                            "json": _json.dumps(record).encode()})
+
+
+class _Crashing:
+    """A BatchSource wrapper that dies at (epoch, micro-batch), as a killed process would."""
+
+    def __init__(self, source, crash_at):
+        self.source, self.crash_at = source, crash_at
+
+    def __len__(self):
+        return len(self.source)
+
+    def batches(self, epoch, start=0):
+        for i, batch in enumerate(self.source.batches(epoch, start), start=start):
+            if (epoch, i) == self.crash_at:
+                raise KeyboardInterrupt
+            yield batch
+
+
+def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(tmp_path):
+    from clipfinetune.data.loader import ExampleContext, ShardLoader
+    from test_train_support import CONTEXT, SIZE, VOCAB
+
+    _write_shards(tmp_path / "shards")
+
+    def transform(pil):
+        return torch.from_numpy(__import__("numpy").asarray(pil.resize((SIZE, SIZE)), dtype="float32") / 255).permute(2, 0, 1)
+
+    def tokenize(texts):
+        out = torch.zeros(len(texts), CONTEXT, dtype=torch.long)
+        for row, t in enumerate(texts):
+            i, c = map(int, t.split())
+            out[row, :3] = torch.tensor([1 + i % (VOCAB - 2), 1 + c, VOCAB - 1])
+        return out
+
+    ctx = ExampleContext(transform, tokenize, SIZE)
+
+    def trainer(name, crash_at=None):
+        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=4, seed=0, num_workers=2,
+                             shuffle_buffer=8)
+        source = _Crashing(loader, crash_at) if crash_at else loader
+        return Trainer(ClipMethod(), TinyClipModel(seed=0), source,
+                       config(epochs=2, batch_size=4, checkpoint_every=4, lr=2e-3), checkpoint_dir=tmp_path / name,
+                       fingerprint="shards")
+
+    straight = trainer("straight").fit()
+    with pytest.raises(KeyboardInterrupt):
+        trainer("resumed", crash_at=(0, 5)).fit()                 # 6 steps per epoch; last checkpoint: step 4
+    again = trainer("resumed")
+    assert again.resumed and again.step == 4
+    resumed = again.fit()
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -1,0 +1,121 @@
+"""Stage wiring of `train@<run>` (settings merge, method kwargs) and the `pretrain` caption source."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipfinetune.methods import Method
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stage_module():
+    if str(ROOT / "stages") not in sys.path:
+        sys.path.insert(0, str(ROOT / "stages"))     # as `python stages/train.py` has it
+    spec = importlib.util.spec_from_file_location("stage_train", ROOT / "stages" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+stage = _stage_module()
+StageParams = sys.modules["_common"].StageParams
+
+SHARED = {"epochs": 2, "batch_size": 8, "lr": 1e-4, "warmup": 2, "wd": 0.1, "beta1": 0.9, "beta2": 0.98,
+          "eps": 1e-6, "grad_clip": 1.0, "accum_steps": 1, "checkpoint_every": 5, "seed": 0, "workers": 0}
+
+
+class WithExtra(Method):
+    name = "withextra"
+    train_keys = frozenset({"new_module_lr"})
+
+
+def test_plain_clip_run_merges_nothing_and_reads_every_declared_key():
+    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "clip": {}}})
+    settings, config = stage.run_settings(params, "clip", "clip", Method)
+    params["model.precision"]
+    assert settings == SHARED and config == {}
+    params.check_all_read()
+
+
+def test_ablation_keys_flatten_to_their_last_name_and_overrides_replace_shared_ones():
+    params = StageParams("train@fsc_lhn_only", {
+        "model": {"precision": "fp32"},
+        "train": {**SHARED, "fsc_clip": {"lr": 5e-6}},
+        "ablations": {"fsc_lhn_only": {"lambda_g": 0.0, "lambda_l": 0.5}}})
+    settings, config = stage.run_settings(params, "fsc_lhn_only", "fsc_clip", Method)
+    assert settings["lr"] == 5e-6 and settings["epochs"] == 2
+    assert config == {"lambda_g": 0.0, "lambda_l": 0.5}
+
+
+def test_method_extra_training_keys_reach_the_method_and_other_groups_flatten():
+    params = StageParams("train@x", {
+        "model": {"precision": "fp32", "unlocked_vision_layers": 2},
+        "train": {**SHARED, "withextra": {"new_module_lr": 2e-3}},
+        "loss": {"lambda_short": 0.5}, "sentences": {"max_sentences": 15},
+        "custom": {"terms": {"fsc_clip.local_hn": 0.5}}})
+    settings, config = stage.run_settings(params, "x", "withextra", WithExtra)
+    assert "new_module_lr" not in settings
+    assert config == {"new_module_lr": 2e-3, "unlocked_vision_layers": 2, "lambda_short": 0.5,
+                      "max_sentences": 15, "terms": {"fsc_clip.local_hn": 0.5}}
+
+
+def test_an_unknown_override_key_is_an_error():
+    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "clip": {"lr_": 1.0}}})
+    with pytest.raises(ValueError, match="unknown override keys.*lr_"):
+        stage.run_settings(params, "clip", "clip", Method)
+
+
+# ------------------------------------------------------------------------------------------ pretrain source
+def _tiny_coco(tmp_path, n_images=6, captions_per_image=5):
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    images, annotations = [], []
+    for i in range(n_images):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "images" / f"{i}.jpg")
+        images.append({"id": i, "file_name": f"{i}.jpg", "width": 8, "height": 8})
+        annotations += [{"id": 100 * i + c, "image_id": i, "caption": f"image {i} caption {c}"}
+                        for c in range(captions_per_image)]
+    (tmp_path / "captions.json").write_text(json.dumps({"images": images, "annotations": annotations}))
+    return tmp_path / "captions.json", tmp_path / "images"
+
+
+def _transform(pil):
+    return torch.tensor([float(pil.getpixel((0, 0))[0])])
+
+
+def _tokenize(texts):          # "image I caption C" -> [I, C]
+    return torch.tensor([[int(t.split()[1]), int(t.split()[3])] for t in texts])
+
+
+def test_caption_source_shows_each_image_once_per_epoch_with_a_caption_redrawn_each_epoch(tmp_path):
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images = _tiny_coco(tmp_path)
+    source = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=3)
+    assert len(source) == 3
+    epochs = [[b["text"] for b in source.batches(e)] for e in range(4)]
+    for batches in epochs:
+        pairs = torch.cat(batches)
+        assert sorted(pairs[:, 0].tolist()) == list(range(6))      # every image once
+    picks = {tuple(torch.cat(b)[torch.cat(b)[:, 0].argsort(), 1].tolist()) for b in epochs}
+    assert len(picks) > 1                                          # captions differ between epochs
+    again = [b["text"] for b in source.batches(1, start=1)]        # resume inside an epoch
+    assert all(torch.equal(a, b) for a, b in zip(again, epochs[1][1:])) and len(again) == 2
+
+
+def test_caption_source_splits_each_global_batch_between_ranks(tmp_path):
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images = _tiny_coco(tmp_path)
+    ranks = [CaptionPairSource(captions, images, _transform, _tokenize, batch_size=1, seed=3, rank=r, world_size=2)
+             for r in range(2)]
+    single = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=3)
+    for a, b, whole in zip(ranks[0].batches(0), ranks[1].batches(0), single.batches(0)):
+        assert torch.equal(torch.cat([a["text"], b["text"]]), whole["text"])
