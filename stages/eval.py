@@ -10,8 +10,8 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-
 from _common import setup_logging, stage_params, stage_parser
+
 from clipfinetune.eval.suite import evaluate_model
 from clipfinetune.io import write_json
 
@@ -31,7 +31,8 @@ def main() -> None:
     args = p.parse_args()
     params = stage_params(args.stage or f"eval@{args.model}")
     log = setup_logging(f"eval@{args.model}")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if params["eval.threads"]:
+        torch.set_num_threads(int(params["eval.threads"]))
     text_encoder = params["eval.box_cls.text_encoder"]
     model = load_exported(args.model)
     text_model = load_exported("base") if text_encoder == "base" and args.model != "base" else model

@@ -14,6 +14,8 @@ Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain`.
 """
 from __future__ import annotations
 
+import os
+
 from _common import ROOT, setup_logging, stage_params, stage_parser
 
 CAPTIONS = "data/sample/annotations/captions_train.json"
@@ -43,9 +45,10 @@ def main() -> None:
 
     if pretrained:
         log.info("model.pretrained=%r: exporting these weights unchanged to %s (no pretraining)", pretrained, out)
-        export_model(load_model(name, pretrained), out)
-        write_json(live_dir / "skipped.json", {"pretrained": pretrained, "model": name,
-                                               "reason": "model.pretrained is set: weights exported unchanged"})
+        if int(os.environ.get("RANK", "0")) == 0:          # under torchrun, one writer
+            export_model(load_model(name, pretrained), out)
+            write_json(live_dir / "skipped.json", {"pretrained": pretrained, "model": name,
+                                                   "reason": "model.pretrained is set: weights exported unchanged"})
         params.check_all_read()
         return
 

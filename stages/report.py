@@ -8,6 +8,7 @@ from pathlib import Path
 
 import _common  # noqa: F401
 from _common import setup_logging, stage_params, stage_parser
+
 from clipfinetune.eval.plots import write_plots
 from clipfinetune.eval.report import load_metrics, render_markdown, summarize
 from clipfinetune.io import atomic_path, write_json

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-
 from _common import setup_logging, stage_params, stage_parser
+
 from clipfinetune.data.sentences import read_docci, split_sentences
 from clipfinetune.io import write_json, write_parquet
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-
 from _common import setup_logging, stage_params, stage_parser
+
 from clipfinetune.data.shards import build_shards
 
 OUT = Path("data/shards")

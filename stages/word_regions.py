@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-
 from _common import setup_logging, stage_params, stage_parser
+
 from clipfinetune.data.coco import load_json
 from clipfinetune.data.word_regions import build_word_regions
 from clipfinetune.io import write_json, write_parquet

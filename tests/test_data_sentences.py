@@ -5,8 +5,14 @@ import json
 
 import pytest
 
-from clipfinetune.data.sentences import (COLUMNS, read_dci, read_docci, read_sharegpt4v, read_urban1k,
-                                         split_sentences)
+from clipfinetune.data.sentences import (
+    COLUMNS,
+    read_dci,
+    read_docci,
+    read_sharegpt4v,
+    read_urban1k,
+    split_sentences,
+)
 from clipfinetune.io import InputError
 
 

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data_helpers import World, jpeg
 
 from clipfinetune.data.shards import build_shards
 from clipfinetune.io import InputError
-from test_data_helpers import World, jpeg
 
 KEYS = {"image_id", "source", "width", "height", "captions", "long_caption", "word_regions", "sentences",
         "local_pair", "negatives"}
 
 
 def build(world: World, out: Path, **kw):
-    args = dict(prepared_dir=world.root / "prepared", coco_captions=world.root / "captions.json",
-                coco_images=world.root / "coco", docci=world.root / "docci.jsonlines",
-                docci_images=world.root / "docci", maxcount=8, val_fraction=0.2)
+    args = {"prepared_dir": world.root / "prepared", "coco_captions": world.root / "captions.json",
+            "coco_images": world.root / "coco", "docci": world.root / "docci.jsonlines",
+            "docci_images": world.root / "docci", "maxcount": 8, "val_fraction": 0.2}
     return build_shards(out, **{**args, **kw})
 
 
@@ -65,7 +65,7 @@ def test_one_sample_per_training_image_with_every_annotation(built):
 
 
 def test_docci_sample_sentences_summary_and_local_pair(built):
-    world, out, _ = built
+    _, out, _ = built
     samples = read_all(out)
     long = "A blue star on grass. It is 3.5 cm wide. Dr. Who drew it 3."
     rec = json.loads(samples["docci_train_00003"]["json"])
@@ -116,8 +116,7 @@ def test_open_clip_reads_the_shards(built):
     info = open_clip_data.get_wds_dataset(args, lambda im: torch.tensor([*im.size, len(im.getbands())]), is_train=True,
                                           epoch=0, tokenizer=lambda text: torch.tensor([[len(text)]]))
     assert info.dataloader.num_samples == -(-sum(sizes[n] for n in names) // 4) * 4
-    seen = [b for b in info.dataloader]
-    images, texts = seen[0]
+    images, texts = next(iter(info.dataloader))
     assert images.shape == (4, 3) and (images[:, 2] == 3).all()          # PIL RGB images of their own size
     assert texts.shape == (4, 1) and (texts > 0).all()                    # the txt member, a caption
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from test_data_helpers import coco_pair, img
 
 from clipfinetune.data import word_regions as wrmod
 from clipfinetune.data.word_regions import COLUMNS, build_word_regions
 from clipfinetune.io import InputError
-from test_data_helpers import coco_pair, img
 
 CATS = ["circle", "mouse", "ski", "traffic light", "teddy bear", "bear", "person", "box"]   # ids 1..8
 

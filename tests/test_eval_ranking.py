@@ -1,13 +1,13 @@
 """Rank metrics against hand-computed values: min-rank recall, the tie rule, top-k, mAcc, GOAL AP@k."""
 import numpy as np
 import pytest
+import torch
 
+from clipfinetune.eval.box_cls import box_metrics
 from clipfinetune.eval.global_local import JointRecord, map_at_k
 from clipfinetune.eval.ranking import average_precision_at_k, mean_per_class, recall_at_k, topk_hits
 from clipfinetune.eval.retrieval import retrieval_metrics
-from clipfinetune.eval.box_cls import box_metrics
 from clipfinetune.eval.zeroshot import zeroshot_metrics
-import torch
 
 
 def test_i2t_uses_min_rank_over_ground_truth_captions():

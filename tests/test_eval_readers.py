@@ -3,12 +3,13 @@ import json
 
 import numpy as np
 import pytest
-from PIL import Image
-
-from clipfinetune.eval import aro_order, box_cls, compositionality as comp, long_retrieval, retrieval
-from clipfinetune.eval.encode import Encoder
 from fixtures.eval import world
 from fixtures.eval.fakes import FakeModel, write_image
+from PIL import Image
+
+from clipfinetune.eval import aro_order, box_cls, long_retrieval, retrieval
+from clipfinetune.eval import compositionality as comp
+from clipfinetune.eval.encode import Encoder
 
 
 def test_flickr_txt_keeps_commas_and_groups_by_first_appearance(tmp_path):

@@ -3,12 +3,11 @@
 A perfect model (one-hot embeddings by id) must score 100 everywhere; crafted imperfect models check
 the hand-computed values of ties, filters and macro averages.
 """
-import numpy as np
 import pytest
-
-from clipfinetune.eval.suite import evaluate_model
 from fixtures.eval import world
 from fixtures.eval.fakes import FakeModel
+
+from clipfinetune.eval.suite import evaluate_model
 
 
 @pytest.fixture(scope="module")

@@ -234,3 +234,26 @@ def test_degla_without_distill_runs_teacher_on_positives_only(tiny):
     terms = method.loss()(features)
     assert float(terms["distill"].detach()) == 0.0
     backward_and_check(model, terms, {"contrastive", "igc", "tgc", "distill"})
+
+
+# ------------------------------------------------------------------------------------------------ all three
+@pytest.mark.parametrize("name", ["harmoclip", "fsc_clip", "degla"])
+def test_micro_batches_of_different_text_lengths_concatenate(tiny, name):
+    """Gradient accumulation concatenates micro-batches' features along dim 0 (train.loop.merge_features)."""
+    from clipfinetune.train.loop import merge_features
+
+    method = get_method(name)()
+    model = copy.deepcopy(tiny)
+    module = method.build(model)
+    ctx = Context(model)
+    ctx.online_negatives = lambda caption, rng: {"negclip": "a b", "replace": None, "shuffle": "c d"}
+    short, long = coco_record(0), coco_record(1)
+    long["captions"] = [c + " and a very long tail of many more words" * 3 for c in long["captions"]]
+    for record in (short, long):
+        for entry in record["negatives"]:
+            entry["texts"] = [t + " x" for t in entry["texts"]]
+    rng = random.Random(0)
+    parts = [module(default_collate([method.make_example(r, image(), rng, ctx)] * 2)) for r in (short, long)]
+    merged = merge_features(parts, 1, True)
+    assert all(v.shape[0] == 4 for v in merged.values() if v.ndim > 0)
+    assert all(torch.isfinite(t) for t in method.loss()(merged).values())

@@ -135,7 +135,7 @@ def test_goal_box_to_patches_matches_independent_grid(which, request):
 def test_goal_truncated_span_and_missing_pair_are_flagged_and_counted(tiny):
     model = copy.deepcopy(tiny)
     goal = get_method("goal")()
-    filler = ["There is a small red circle number %d in the top left corner of the picture." % i for i in range(20)]
+    filler = [f"There is a small red circle number {i} in the top left corner of the picture." for i in range(20)]
     tail = "A lone green star hides at the very end."
     long_caption = " ".join(filler + [tail])
     assert len(model.tokenizer.encode(long_caption)) > 260
@@ -270,88 +270,40 @@ def test_mulclip_global_only_freezes_unused_new_modules(tiny):
     assert all(p.grad is not None for p in built.parameters() if p.requires_grad)   # nothing left for DDP to wait on
 
 
-# ------------------------------------------------------------------------------------------------ custom
-class FixedNegativesContext(ExampleContext):
-    """The real context with FSC-CLIP's rule negatives replaced by fixed ones (no spaCy in a unit test)."""
+# ------------------------------------------------------------------------------------------------ the real loop
+class ListSource:
+    """One epoch = the given micro-batches."""
 
-    def online_negatives(self, caption, rng):
-        words = caption.split()
-        return {"negclip": " ".join(words[::-1]), "replace": caption.replace("red", "blue"), "shuffle": None}
+    def __init__(self, micro_batches):
+        self.micro_batches = micro_batches
 
+    def __len__(self):
+        return len(self.micro_batches)
 
-def coco_record(i):
-    captions = [f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"]
-    return {"image_id": str(i), "source": "coco", "width": W, "height": H, "captions": captions, "long_caption": "",
-            "word_regions": [{"caption_index": 0, "word": "circle", "char_span": [6, 12], "box": [10, 20, 60, 70],
-                              "category": "circle"}],
-            "sentences": [], "local_pair": [],
-            "negatives": [{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
-                          {"caption_index": 1, "type": "reshuffle", "texts": [f"a yellow star above a blue ring {i}"]}]}
+    def batches(self, epoch, start=0):
+        yield from self.micro_batches[start:]
 
 
-def perturb(model):
-    """The same small deterministic change to every copy's student weights (after the teachers were copied)."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in sorted(model.clip.named_parameters()):
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+def test_trainer_optimises_and_checkpoints_mulclip_new_modules_once(tiny, tmp_path):
+    from clipfinetune.train import TrainConfig, Trainer
+    from clipfinetune.train.checkpoint import load_checkpoint
 
-
-def test_custom_equals_weighted_sum_of_each_methods_own_terms(tiny):
-    terms = {"fsc_clip.local_hn": 0.5, "degla.distill": 0.005, "harmoclip.global_region": 1.0}   # params.yaml mix
-    custom = get_method("custom")(terms=terms)
     model = copy.deepcopy(tiny)
-    module, loss = custom.build(model), custom.loss()
-    perturb(model)
-    ctx = FixedNegativesContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
-    rng = random.Random(0)
-    records = [coco_record(i) for i in range(4)]
-    assert all(custom.wants(r) for r in records)
-    assert not custom.wants(dict(records[0], negatives=[])) and not custom.wants(docci_record())
-    batch = default_collate([custom.make_example(r, image(i), rng, ctx) for i, r in enumerate(records)])
-
-    calls = []
-    visual = model.clip.visual
-    original = visual.forward_intermediates
-    visual.forward_intermediates = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        out = loss(module(batch))
-    finally:
-        del visual.forward_intermediates
-    assert len(calls) == 2          # clip, fsc_clip, degla share one image forward; harmoclip's dense one is another
-    assert set(out) == {"clip.contrastive", "fsc_clip.local_hn", "degla.distill", "harmoclip.global_region"}
-    sum(out.values()).backward()
-
-    # each method alone, at its DEFAULT lambdas (which these weights equal), on its own copy of the same model
-    expected, grads = {}, {}
-    for name, term in [("clip", "contrastive"), ("fsc_clip", "local_hn"), ("degla", "distill"),
-                       ("harmoclip", "global_region")]:
-        method, own = get_method(name)(), copy.deepcopy(tiny)
-        built = method.build(own)
-        perturb(own)
-        view = {k[len(name) + 1:]: v for k, v in batch.items() if k.startswith(name + ".")}
-        value = method.loss()(dict(built(dict(view, image=batch["image"]))))[term]
-        value.backward()
-        expected[f"{name}.{term}"] = value.detach()
-        for n, p in own.clip.named_parameters():
-            if p.grad is not None:
-                grads[n] = grads.get(n, 0) + p.grad
-    for key, value in expected.items():
-        assert torch.allclose(out[key].detach(), value, rtol=1e-5, atol=1e-7), key
-    assert float(expected["degla.distill"]) > 0 and float(expected["harmoclip.global_region"]) > 0
-    for n, p in model.clip.named_parameters():
-        if n in grads:
-            assert p.grad is not None and torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6), n
-        else:
-            assert p.grad is None or not p.grad.any(), n
-
-
-def test_custom_term_parsing():
-    custom = get_method("custom")
-    with pytest.raises(ValueError, match="unknown term"):
-        custom(terms={"fsc_clip.local_hnn": 1.0})
-    only_goal = custom(terms={"clip.contrastive": 0, "goal.tsl_image": 2.0})
-    assert list(only_goal.methods) == ["goal"] and only_goal.weights == {"goal": {"tsl_image": 2.0}}
-    goal = only_goal.methods["goal"]
-    assert (goal.lambda_global, goal.lambda_local, goal.lambda_tsl) == (0.0, 0.0, 1.0)
-    assert list(custom(terms={}).weights) == ["clip"]
+    mulclip = get_method("mulclip")(max_sentences=4, new_module_lr=2e-3)
+    ctx_model = copy.deepcopy(tiny)
+    micro = [make_batch(mulclip, ctx_model, [docci_record(i), docci_record(i + 1)]) for i in (0, 2)]
+    cfg = TrainConfig(epochs=1, batch_size=4, lr=1e-4, accum_steps=2, grad_clip=1.0)    # feature-cache path
+    trainer = Trainer(mulclip, model, ListSource(micro), cfg, checkpoint_dir=tmp_path)
+    assert trainer.loss_fn is trainer.module.new_modules                    # the loss IS the module's submodule
+    groups = {g["name"]: g for g in trainer.optimizer.param_groups}
+    ids = [id(p) for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) and groups["new_modules"]["lr"] == 2e-3
+    before = {n: p.detach().clone() for n, p in trainer.module.new_modules.named_parameters() if p.requires_grad}
+    scale = model.clip.logit_scale.detach().clone()
+    trainer.fit()
+    after = dict(trainer.module.new_modules.named_parameters())
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    assert torch.equal(model.clip.logit_scale, scale)                       # frozen: unused by the sigmoid loss
+    state = load_checkpoint(tmp_path / "last.pt")["model"]
+    for n in before:
+        assert torch.equal(state[f"new_modules.{n}"], after[n].detach())

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 SETTINGS = dict(epochs=3, batch_size=8, accum_steps=2, checkpoint_every=4, lr=2e-3, warmup=3)
 
 
-def run(tmp_path, name, crash_at=None, fp="run-a", workers=2):
+def run(tmp_path, name, crash_at=None, fp="run-a", workers=0):    # workers > 0: see the shard-loader test
     trainer = Trainer(ClipMethod(), TinyClipModel(seed=0), ToySource(n=40, batch_size=4, workers=workers,
                                                                        crash_at=crash_at),
                       config(**SETTINGS), checkpoint_dir=tmp_path / name / "ckpt", live_dir=tmp_path / name / "live",
@@ -47,10 +47,10 @@ def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_
 
 def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, "shared", crash_at=(1, 5), fp="params-before", workers=0)
-    trainer, changed = run(tmp_path, "shared", fp="params-after", workers=0)
+        run(tmp_path, "shared", crash_at=(1, 5), fp="params-before")
+    trainer, changed = run(tmp_path, "shared", fp="params-after")
     assert not trainer.resumed
-    _, fresh = run(tmp_path, "fresh", fp="params-after", workers=0)
+    _, fresh = run(tmp_path, "fresh", fp="params-after")
     for (name, a), (_, b) in zip(fresh.state_dict().items(), changed.state_dict().items()):
         assert torch.equal(a, b), name
     assert load_checkpoint(tmp_path / "shared" / "ckpt" / "last.pt")["fingerprint"] == "params-after"

@@ -3,9 +3,10 @@
 Pipeline per loader worker (a WebDataset pipeline; rank/world and worker ids from
 `webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed):
 
-    shard list shuffled by (seed, epoch, pass), repeated pass after pass (train)
-    -> wds.split_by_node -> wds.split_by_worker -> wds.tarfile_to_samples
-    -> json -> method.wants(record) filter -> shuffle buffer seeded by (seed, epoch, rank, worker)
+    for each pass over the data (train: pass after pass until the epoch's batches are made):
+        shard list shuffled by (seed, epoch, pass) -> wds.split_by_node -> wds.split_by_worker
+        -> wds.tarfile_to_samples -> json -> method.wants(record) filter
+        -> shuffle buffer seeded by (seed, epoch, rank, worker, pass)
     -> skip (resume) -> PIL RGB decode (corrupt: counted skip) -> method.make_example(record, image, rng, ctx)
     -> default_collate per `batch_size` -> exactly `batches_per_epoch / max(1, num_workers)` batches
 
@@ -22,9 +23,16 @@ Decisions:
   filter and shuffle are replayed; they are cheap), the main process drops the remaining k % W. A
   corrupt image inside the skipped region would shift later batches by one sample; the `shards` stage
   verifies every image, so this can only come from on-disk damage after the stage ran.
-- `make_example`'s rng: `random.Random("seed:epoch:rank:worker:n")` for the worker's n-th wanted sample.
+- `make_example`'s rng: `random.Random("seed:epoch:rank:worker:n")` for the worker's n-th wanted sample;
+  its first draw seeds the worker's torch RNG (workers only; with num_workers=0 torch's RNG is untouched).
 - Statistics (samples seen, dropped by the method filter, corrupt images, repeats) are counted in the
   workers, travel with each batch and are summed in `ShardLoader.stats`; each epoch ends with a log line.
+- **Persistent workers**: one DataLoader per loader, `persistent_workers=True`; the epoch and the resume
+  skip reach the workers through shared `multiprocessing.Value`s (open_clip's SharedEpoch), so lazy
+  per-worker resources (FSC-CLIP's spaCy + WordNet, ~10 s) load once per run, not once per epoch. Nothing
+  is warmed in the main process before the fork: NLTK's WordNet reader keeps open file handles whose
+  offsets forked workers would share. A worker re-seeds its own torch RNG before every example (from that
+  example's rng), so a transform that draws from torch is deterministic and resumable too.
 - Validation (`train=False`): one pass in shard order, no shuffle, partial last batches, no repeats.
 """
 from __future__ import annotations
@@ -36,8 +44,8 @@ import math
 import random
 import tarfile
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, default_collate
@@ -101,17 +109,19 @@ def iter_shard_records(path: str) -> Iterator[tuple[str, dict]]:
                 yield m.name[:-len(".json")], json.loads(tf.extractfile(m).read())
 
 
-def count_wanted(paths: list[str], method) -> tuple[list[int], list[int]]:
-    """Per shard: (samples, samples the method wants)."""
-    totals, wanted = [], []
+def count_wanted(paths: list[str], method) -> tuple[list[int], list[int], tuple[str, str] | None]:
+    """Per shard: (samples, samples the method wants), and (shard, key) of the first wanted sample."""
+    totals, wanted, first = [], [], None
     for p in paths:
         n = w = 0
-        for _, rec in iter_shard_records(p):
+        for key, rec in iter_shard_records(p):
             n += 1
-            w += bool(method.wants(rec))
+            if method.wants(rec):
+                w += 1
+                first = first or (p, key)
         totals.append(n)
         wanted.append(w)
-    return totals, wanted
+    return totals, wanted, first
 
 
 def _seeded(*parts) -> random.Random:
@@ -134,35 +144,32 @@ def _buffer_shuffle(items, bufsize: int, rng: random.Random):
 class _EpochStream(IterableDataset):
     """One epoch of one rank: yields {"batch": collated, "stats": {...}} per batch from each worker."""
 
-    def __init__(self, cfg: dict, epoch: int, skip_batches: int, batches_per_worker: int | None):
+    def __init__(self, cfg: dict, batches_per_worker: int | None):
         super().__init__()
-        self.cfg, self.epoch = cfg, epoch
-        self.skip_batches, self.batches_per_worker = skip_batches, batches_per_worker
+        import multiprocessing as mp
 
-    def _shard_urls(self):
-        paths, seed, train = self.cfg["paths"], self.cfg["seed"], self.cfg["train"]
-        p = 0
-        while True:
-            order = list(paths)
-            if train:
-                _seeded(seed, self.epoch, "shards", p).shuffle(order)
-            yield from ({"url": u} for u in order)
-            if not train:
-                return
-            p += 1
+        self.cfg, self.batches_per_worker = cfg, batches_per_worker
+        self.shared_epoch, self.shared_skip = mp.Value("q", 0), mp.Value("q", 0)   # set by ShardLoader.batches
+
+    def _pass_urls(self, p: int):
+        order = list(self.cfg["paths"])
+        if self.cfg["train"]:
+            _seeded(self.cfg["seed"], self.epoch, "shards", p).shuffle(order)
+        return ({"url": u} for u in order)
 
     def __iter__(self):
         import webdataset as wds
 
         cfg = self.cfg
         method, ctx, bs, train = cfg["method"], cfg["ctx"], cfg["batch_size"], cfg["train"]
+        self.epoch, self.skip_batches = int(self.shared_epoch.value), int(self.shared_skip.value)
         rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        in_worker = torch.utils.data.get_worker_info() is not None     # never touch the main process's RNG
         stats: Counter = Counter()
-        urls = wds.split_by_worker(wds.split_by_node(self._shard_urls()))
-        raw = wds.tarfile_to_samples()(urls)
+        misses, seen = 0, set()
 
-        def wanted():
-            misses, seen = 0, set()
+        def wanted(raw):
+            nonlocal misses
             for s in raw:
                 rec = json.loads(s["json"])
                 stats["samples_read"] += 1
@@ -179,10 +186,25 @@ class _EpochStream(IterableDataset):
                 misses = 0
                 yield s["__key__"], s["jpg"], rec
 
-        stream = wanted()
-        if train:
-            stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank, worker, "buf"))
+        def passes():
+            # pass after pass over the shards (train); each pass is shuffled on its own, so an epoch
+            # sees every sample of this worker's shards before any repeat
+            p = 0
+            while True:
+                urls = wds.split_by_worker(wds.split_by_node(self._pass_urls(p)))
+                stream = wanted(wds.tarfile_to_samples()(urls))
+                if train:
+                    stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank,
+                                                                                    worker, p, "buf"))
+                yield from stream
+                if not train:
+                    return
+                p += 1
+
         to_skip, n, batch, produced = self.skip_batches * bs, 0, [], self.skip_batches
+        if self.batches_per_worker is not None and produced >= self.batches_per_worker:
+            return
+        stream = passes()
         for key, jpg, rec in stream:
             n += 1
             if n <= to_skip:
@@ -197,6 +219,8 @@ class _EpochStream(IterableDataset):
                 log.warning("skipping sample %s: corrupt image (%s)", key, e)
                 continue
             rng = _seeded(cfg["seed"], self.epoch, rank, worker, n)
+            if in_worker:   # torch draws (random augmentations) become a function of the sample's position too
+                torch.manual_seed(rng.getrandbits(63))
             batch.append(method.make_example(rec, image, rng, ctx))
             if len(batch) == bs:
                 yield {"batch": default_collate(batch), "stats": dict(stats)}
@@ -224,7 +248,7 @@ class ShardLoader:
         self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
         self.num_workers, self.train = num_workers, train
         self.rank, self.world_size, _, _ = wds.utils.pytorch_worker_info()
-        totals, wanted = count_wanted(self.paths, method)
+        totals, wanted, _ = count_wanted(self.paths, method)
         self.num_samples, self.num_wanted = sum(totals), sum(wanted)
         self.shard_wanted = dict(zip(self.paths, wanted))
         if self.num_wanted == 0:
@@ -232,15 +256,20 @@ class ShardLoader:
         log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
                  self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
         w = max(1, num_workers)
+        if train and len(self.paths) < w * self.world_size:
+            raise InputError(shards_dir, split, f"{len(self.paths)} shards for {w} workers x {self.world_size} ranks: "
+                             "every worker needs a shard (fewer workers, or smaller shards.maxcount)")
         if train:
             nb = math.ceil(self.num_wanted / (batch_size * self.world_size))
             self.batches_per_epoch = math.ceil(nb / w) * w
         else:
             self.batches_per_epoch = self._eval_batches(w)
         self.stats: Counter = Counter()
-        self._cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
+        self._loader = None
+        cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
                      "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
                      "max_misses": 2 * self.num_samples + 1}
+        self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
 
     def _eval_batches(self, w: int) -> int:
         mine = self.paths[self.rank::self.world_size]
@@ -258,12 +287,16 @@ class ShardLoader:
             raise ValueError("resume (start_batch > 0) is for training loaders")
         w = max(1, self.num_workers)
         k0 = start_batch // w * w
-        per_worker = self.batches_per_epoch // w if self.train else None
-        ds = _EpochStream(self._cfg, epoch, k0 // w, per_worker)
-        # a private generator: the DataLoader's worker seeds never consume the global torch RNG
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers, generator=gen)
-                  if self.num_workers > 0 else ds)
+        self._stream.shared_epoch.value, self._stream.shared_skip.value = epoch, k0 // w
+        if self.num_workers > 0:
+            if self._loader is None:
+                # a private generator: the DataLoader's worker seeds never consume the global torch RNG
+                self._loader = torch.utils.data.DataLoader(
+                    self._stream, batch_size=None, num_workers=self.num_workers, persistent_workers=True,
+                    generator=torch.Generator().manual_seed(self.seed))
+            it = iter(self._loader)
+        else:
+            it = iter(self._stream)
         before = Counter(self.stats)
         for i, item in enumerate(it, start=k0):
             self.stats.update(item["stats"])

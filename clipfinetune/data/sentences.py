@@ -20,12 +20,11 @@ Decisions:
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import pandas as pd
 
@@ -33,23 +32,22 @@ from clipfinetune.io import InputError
 
 COLUMNS = ["image_id", "source", "long_caption", "sentence_index", "text", "char_start", "char_end"]
 SEGMENTERS = ("senter", "parser")
-_OTHER_PIPES = ("tok2vec", "tagger", "parser", "attribute_ruler", "lemmatizer", "ner")
 
 
-@functools.lru_cache(maxsize=2)
-def segmenter_nlp(segmenter: str = "senter"):
-    """A spaCy pipeline that only segments sentences (its own cached instance: never shared)."""
+def segment_docs(texts: Iterable[str], segmenter: str = "senter", batch_size: int = 64):
+    """Docs with sentence boundaries, from the shared en_core_web_sm (`load_spacy()`): its tokenizer, then
+    only the components segmentation needs, called directly (the shared pipeline is never modified and
+    the model is loaded once per process)."""
     from clipfinetune.resources import load_spacy
 
-    if segmenter == "senter":
-        nlp = load_spacy(disable=_OTHER_PIPES)
-        if "senter" in nlp.disabled:
-            nlp.enable_pipe("senter")
-    elif segmenter == "parser":
-        nlp = load_spacy(disable=("tagger", "attribute_ruler", "lemmatizer", "ner"))
-    else:
+    if segmenter not in SEGMENTERS:
         raise ValueError(f"segmenter must be one of {SEGMENTERS}, got {segmenter!r}")
-    return nlp
+    nlp = load_spacy()
+    docs = nlp.tokenizer.pipe(texts, batch_size=batch_size)
+    names = ("senter",) if segmenter == "senter" else ("tok2vec", "parser")   # senter has its own tok2vec
+    for name in names:
+        docs = nlp.get_pipe(name).pipe(docs, batch_size=batch_size)
+    return docs
 
 
 def _trim(text: str, s: int, e: int) -> tuple[int, int]:
@@ -99,10 +97,9 @@ def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segment
             counts["empty_long_captions_skipped"] += 1
             continue
         kept.append((key[1], r["source"], text))
-    nlp = segmenter_nlp(segmenter)
     lines = [(n, s, e) for n, (_, _, text) in enumerate(kept) for s, e in line_spans(text)]
     per_caption: list[list[tuple[int, int]]] = [[] for _ in kept]
-    for (n, s0, e0), doc in zip(lines, nlp.pipe((kept[n][2][s:e] for n, s, e in lines), batch_size=batch_size)):
+    for (n, s0, e0), doc in zip(lines, segment_docs((kept[n][2][s:e] for n, s, e in lines), segmenter, batch_size)):
         per_caption[n] += [(s0 + s, s0 + e) for s, e in sentence_spans(doc)]
     rows = []
     for (image_id, source, text), found in zip(kept, per_caption):

@@ -185,7 +185,7 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
                 continue
             try:
                 size = check_image(data)
-            except Exception:   # PIL raises many types on a corrupt file
+            except Exception:   # noqa: BLE001 - PIL raises many types on a corrupt file
                 counts["images_skipped_corrupt"] += 1
                 continue
             if r["size"] is not None and tuple(size) != tuple(r["size"]):
@@ -228,9 +228,12 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
     records = coco_records(coco_captions, coco_images, word_regions, negatives, counts)
     records += docci_records(read_docci(docci, splits=("train",)), docci_images, sentences, local_pairs, counts)
     with atomic_path(out_dir, is_dir=True) as tmp:
+        os.chmod(tmp, 0o755)        # mkdtemp's 0700 would make the shards private to this user
         sizes = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
         for key in ("images_skipped_missing", "images_skipped_corrupt", "images_skipped_size_mismatch",
-                    "samples_train", "samples_val"):
+                    "samples_train", "samples_val", "word_regions_stale_dropped", "negatives_stale_dropped",
+                    "negatives_unmatched_image_dropped", "local_pair_global_wins", "local_pair_stale_dropped",
+                    "docci_without_sentences", "docci_empty_long_caption_skipped"):
             counts.setdefault(key, 0)
         meta = {"maxcount": maxcount, "val_fraction": val_fraction,
                 "split_rule": "val iff int(sha1(key)[:8], 16) / 2**32 < val_fraction; key = <source>_<image_id>",

@@ -47,7 +47,7 @@ def vild_templates() -> list[str]:
 def class_prompts(name: str) -> list[str]:
     """The 63 ViLD texts for one class name, with CLIPSelf/FineCLIP's "This is " prefix."""
     texts = [fill_template(t, name) for t in vild_templates()]
-    return ["This is " + t if t.startswith("a") or t.startswith("the") else t for t in texts]
+    return ["This is " + t if t.startswith(("a", "the")) else t for t in texts]
 
 
 def clean_name(name: str) -> str:

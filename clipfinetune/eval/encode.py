@@ -8,8 +8,8 @@ images (retrieval, SugarCrepe, ...) encode each image once.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ def load_image(path: str | os.PathLike, crop=None, record=None) -> Image.Image:
     except OSError as e:
         raise InputError(path, record, f"unreadable image: {e}") from None
     if crop is not None:
-        im = im.crop(tuple(int(round(float(v))) for v in crop))
+        im = im.crop(tuple(round(float(v)) for v in crop))
     return im
 
 

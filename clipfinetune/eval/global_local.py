@@ -46,7 +46,7 @@ def group_id(rec: dict) -> str:
     p = Path(rec["filename"])
     if _is_local(rec):
         name = p.parent.name
-        name = name[: -len("_results")] if name.endswith("_results") else name
+        name = name.removesuffix("_results")
         return rec.get("group") or Path(name).stem
     return rec.get("group") or p.stem
 

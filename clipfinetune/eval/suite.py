@@ -16,8 +16,8 @@ import logging
 import time
 from pathlib import Path
 
-from clipfinetune.eval import aro_order, box_cls, compositionality as comp, global_local, long_retrieval
-from clipfinetune.eval import retrieval, zeroshot
+from clipfinetune.eval import aro_order, box_cls, global_local, long_retrieval, retrieval, zeroshot
+from clipfinetune.eval import compositionality as comp
 from clipfinetune.eval.encode import Encoder
 
 log = logging.getLogger(__name__)

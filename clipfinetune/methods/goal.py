@@ -25,9 +25,9 @@ Decisions the paper leaves open / where we differ from the authors' code (METHOD
   248 context; the words' BPE tokens, no SOT, no trailing EOT): no off-by-one (bug 4). A span cut PARTLY by the
   truncation keeps its surviving tokens; a span entirely beyond it is `span_valid` False (the loss drops that
   sentence's text-side TSL term and counts it in `stats["n_tsl_text_dropped"]`).
-- A record without a local pair (LISM found none, or the global image won) is kept for L_global with
-  `local_valid` False; its crop slot holds the whole image, its sentence slot the empty text, its box the whole
-  image (finite placeholders that the loss never reads). Their crops still run through the towers (static shapes
+- A record without a local pair (LISM found none, or the global image won; or its box has no area inside the
+  image) is kept for L_global with `local_valid` False; its crop slot holds the whole image, its sentence slot the
+  empty text, its box the whole image (finite placeholders that the loss never reads). Their crops still run through the towers (static shapes
   for DDP and the accumulation cache); the loss counts them in `stats["n_global_only"]`.
 - Long-CLIP stretching happens in `build()`, GOAL's port: all 248 rows trainable (`freeze_kept=False`, METHODS
   §0.1, §6.10); a model whose context is already 248 is left as it is (e.g. a Long-CLIP base).

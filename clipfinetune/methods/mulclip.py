@@ -8,9 +8,11 @@ Data: a DOCCI-source shard record with a long caption and its sentences (sentenc
     sub_valid  [S'] bool  sentence i exists
     (global-only runs, lambda_word = lambda_sub = 0: `short` [L], sentence 0 only, instead of sub_text/sub_valid)
 
-Forward (`MulClipModule`): ONE vision forward (`image_features`: CLS embedding + projected patches) and ONE text
-forward over [long captions; the VALID sentences] (`text_features`; placeholders of missing sentences are not
-encoded, their embedding slots stay zero and are masked by `sub_valid`).
+Forward (`MulClipModule`): ONE vision forward (`image_features`: CLS embedding + projected patches), one text
+forward of the long captions (`text_features`: EOT embedding + token states) and one of the VALID sentences
+(`encode_text`). Two text calls, not one: each is trimmed to its own longest sequence (exact under the causal
+mask), and sentences (~20 tokens) padded to a long caption's length (~150) would cost ~7x more for the B x S'
+sentences. Placeholders of missing sentences are not encoded; their slots stay zero, masked by `sub_valid`.
 
 Decisions the paper leaves open (besides those of the loss module):
 - Long-CLIP stretching in `build()` with the first 20 rows frozen (`freeze_kept=True`, Long-CLIP's split; MulCLIP
@@ -27,6 +29,8 @@ Decisions the paper leaves open (besides those of the loss module):
 - The text states are computed up to the batch's longest text (exact under the causal mask) and zero-padded to
   248 for the text calibration, which masks padding out of its softmax: identical to encoding all 248 positions.
 - The summary (`contrastive_short`) is sub-caption 0, always present (records without sentences are skipped).
+- Sentences beyond `max_sentences` are cut here (the `sentences` stage already keeps at most that many and counts
+  the rest), so the loss's `n_subcaptions_dropped` stays 0; its `max_subcaptions` is set to `max_sentences`.
 """
 from __future__ import annotations
 
@@ -50,20 +54,20 @@ class MulClipModule(nn.Module):
     def forward(self, batch: dict) -> dict:
         model = self.model
         long_text = batch["text"]
-        b = long_text.shape[0]
         if not self.tokens:                                       # global-only: CLS/EOT embeddings only
-            text = model.encode_text(torch.cat([long_text, batch["short"]]), normalize=True)
-            return {"image": model.encode_image(batch["image"], normalize=True), "text": text[:b],
-                    "text_short": text[b:]}
+            return {"image": model.encode_image(batch["image"], normalize=True),
+                    "text": model.encode_text(long_text, normalize=True),
+                    "text_short": model.encode_text(batch["short"], normalize=True)}
         image = model.image_features(batch["image"])
         sub_tokens, sub_valid = batch["sub_text"], batch["sub_valid"].bool()
-        text = model.text_features(torch.cat([long_text, sub_tokens[sub_valid]]))
-        sub = text["global_"].new_zeros(*sub_valid.shape, text["global_"].shape[1])
-        sub[sub_valid] = text["global_"][b:]
+        text = model.text_features(long_text)
+        encoded = model.encode_text(sub_tokens[sub_valid], normalize=True)     # trimmed to the longest SENTENCE
+        sub = encoded.new_zeros(*sub_valid.shape, encoded.shape[1])
+        sub[sub_valid] = encoded
         pad = LONG_CONTEXT - text["tokens"].shape[1]              # trimmed -> the calibration's 248 slots
-        return {"image": image["global_"], "patches": image["patches"], "text": text["global_"][:b],
-                "text_tokens": F.pad(text["tokens"][:b], (0, 0, 0, pad)),
-                "text_mask": F.pad(text["mask"][:b], (0, pad), value=False),
+        return {"image": image["global_"], "patches": image["patches"], "text": text["global_"],
+                "text_tokens": F.pad(text["tokens"], (0, 0, 0, pad)),
+                "text_mask": F.pad(text["mask"], (0, pad), value=False),
                 "sub_text": sub, "sub_valid": sub_valid}
 
 

@@ -1,0 +1,152 @@
+"""The training loader: determinism by (seed, epoch), exact resume with workers, method filter, DDP-equal
+epochs, corrupt images, and the ExampleContext helpers."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tarfile
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_data_helpers import StubMethod, World, jpeg, key_id
+
+from clipfinetune.data.loader import ExampleContext, ShardLoader
+from clipfinetune.data.shards import build_shards
+
+
+def transform(im):
+    return torch.from_numpy(np.asarray(im.resize((8, 8)), dtype=np.float32)).permute(2, 0, 1)
+
+
+CTX = ExampleContext(transform, tokenize=lambda t: torch.zeros(len(t), 5, dtype=torch.long), image_size=8)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loader")
+    World(root, n_coco=30, n_docci=14)
+    build_shards(root / "shards", prepared_dir=root / "prepared", coco_captions=root / "captions.json",
+                 coco_images=root / "coco", docci=root / "docci.jsonlines", docci_images=root / "docci",
+                 maxcount=6, val_fraction=0.15)
+    return root / "shards"
+
+
+def records(shards, split):
+    out = {}
+    for p in sorted(shards.glob(f"{split}-*.tar")):
+        with tarfile.open(p) as tf:
+            for m in tf:
+                if m.name.endswith(".json"):
+                    rec = json.loads(tf.extractfile(m).read())
+                    out[key_id(f"{rec['source']}_{rec['image_id']}")] = rec
+    return out
+
+
+def run(loader, epoch, start=0):
+    return [(b["sample"].tolist(), b["draw"].tolist(), b["pixels"]) for b in loader.batches(epoch, start)]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x[0] == y[0] and x[1] == y[1] and torch.equal(x[2], y[2]) for x, y in zip(a, b))
+
+
+def test_epoch_length_and_determinism_by_seed_and_epoch(shards):
+    loader = ShardLoader(shards, "train", StubMethod(), CTX, batch_size=4, seed=3)
+    n = len(records(shards, "train"))
+    assert loader.num_wanted == n and len(loader) == -(-n // 4)
+    e0 = run(loader, 0)
+    assert len(e0) == len(loader) and all(len(s) == 4 for s, _, _ in e0)
+    assert {k for s, _, _ in e0 for k in s} == set(records(shards, "train"))      # every sample, once at least
+    assert same(e0, run(ShardLoader(shards, "train", StubMethod(), CTX, batch_size=4, seed=3), 0))
+    assert not same(e0, run(loader, 1))
+    assert not same(e0, run(ShardLoader(shards, "train", StubMethod(), CTX, batch_size=4, seed=4), 0))
+
+
+class TorchDrawStub(StubMethod):
+    """Draws from the worker's torch RNG (as a random augmentation would)."""
+
+    def make_example(self, record, image, rng, ctx):
+        return {**super().make_example(record, image, rng, ctx), "pixels": torch.rand(3)}
+
+
+def test_exact_resume_with_workers(shards):
+    loader = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2)
+    assert len(loader) % 2 == 0
+    full = run(loader, 2)
+    assert len(full) == len(loader)
+    assert same(full, run(loader, 2))                                   # persistent workers, same epoch again
+    assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2), 2))
+    for k in (3, 4, len(loader)):
+        fresh = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2)
+        assert same(run(fresh, 2, start=k), full[k:])                  # a restarted process resumes exactly
+
+
+def test_method_filter_is_counted_and_sizes_the_epoch(shards):
+    docci = {k for k, r in records(shards, "train").items() if r["source"] == "docci"}
+    loader = ShardLoader(shards, "train", StubMethod("goal_like", source="docci"), CTX, batch_size=2)
+    assert loader.num_wanted == len(docci) and len(loader) == -(-len(docci) // 2)
+    seen = {k for s, _, _ in run(loader, 0) for k in s}
+    assert seen == docci
+    assert loader.stats["dropped_by_method"] >= loader.num_samples - len(docci)
+    assert loader.stats["batches"] == len(loader)
+
+
+def test_ddp_ranks_get_the_same_number_of_batches(shards, monkeypatch):
+    lengths, seen = [], set()
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        loader = ShardLoader(shards, "train", StubMethod(), CTX, batch_size=2, seed=0)
+        batches = run(loader, 0)
+        lengths.append((len(loader), len(batches)))
+        seen |= {k for s, _, _ in batches for k in s}
+    n = len(records(shards, "train"))
+    assert lengths[0] == lengths[1] == (-(-n // 4), -(-n // 4))
+    assert seen == set(records(shards, "train"))
+
+
+def test_validation_loader_reads_every_sample_once(shards):
+    loader = ShardLoader(shards, "val", StubMethod(), CTX, batch_size=4, train=False, num_workers=2)
+    keys = [k for s, _, _ in run(loader, 0) for k in s]
+    assert sorted(keys) == sorted(records(shards, "val")) and len(list(loader.batches(0))) == len(loader)
+
+
+def test_a_corrupt_image_is_a_counted_skip(tmp_path):
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "train-000000.tar"), mtime=0) as w:
+        for i in range(5):
+            rec = {"image_id": str(i), "source": "coco", "captions": ["a"]}
+            w.write({"__key__": f"coco_{i}", "jpg": b"garbage" if i == 2 else jpeg(10, 10, i), "txt": "a",
+                     "json": json.dumps(rec).encode()})
+    loader = ShardLoader(tmp_path, "train", StubMethod(), CTX, batch_size=2, shuffle_buffer=1)
+    batches = run(loader, 0)
+    assert len(batches) == len(loader) == 3
+    assert key_id("coco_2") not in {k for s, _, _ in batches for k in s}
+    assert loader.stats["corrupt_images_skipped"] >= 1
+
+
+def test_resize_boxes_and_crop():
+    ctx = ExampleContext(lambda im: im.size, tokenize=None, image_size=64)
+    boxes = ctx.resize_boxes([[10, 20, 50, 40]], (200, 100))
+    assert torch.allclose(boxes, torch.tensor([[10 * 64 / 200, 20 * 64 / 100, 50 * 64 / 200, 40 * 64 / 100]]))
+    image = Image.new("RGB", (200, 100))
+    assert ctx.crop(image, [10, 20, 50, 40]) == (40, 20)
+    assert ctx.crop(image, [10, 20, 50, 40], scale=1.5) == (60, 30)           # FineCLIP's 1.5x, about the centre
+    assert ctx.crop(image, [180, 80, 200, 100], scale=3.0) == (40, 40)        # clamped to the image
+
+
+def test_context_delegates_token_span_and_online_negatives(monkeypatch):
+    fake = types.ModuleType("clipfinetune.data.rule_negatives")
+    fake.online_negatives = lambda caption, rng: {"negclip": caption[::-1], "replace": None, "shuffle": rng.random()}
+    monkeypatch.setitem(sys.modules, "clipfinetune.data.rule_negatives", fake)
+    ctx = ExampleContext(None, None, 8, token_span=lambda text, s, e: list(range(s, e)))
+    out = ctx.online_negatives("abc", random.Random(1))
+    assert out == {"negclip": "cba", "replace": None, "shuffle": random.Random(1).random()}
+    assert ctx.token_span("hello", 1, 3) == [1, 2]
+    with pytest.raises(RuntimeError, match="tokenize_long"):
+        ctx.tokenize_long(["x"])
