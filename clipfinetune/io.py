@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,23 +24,64 @@ class InputError(ValueError):
 def atomic_path(path: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `path`; rename it over `path` only if the block succeeds.
 
-    A killed process leaves at most a `.tmp-*` sibling, never a half-written `path`.
+    A killed process leaves at most a `.tmp-*` sibling, never a half-written `path`: an existing folder is
+    first renamed aside (then deleted), so a kill while it is being replaced leaves `path` absent, never half
+    deleted. Temporary names carry the host and pid; leftovers of dead processes of this host are removed
+    on the next write of the same `path`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent)) if is_dir else \
-        path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    _remove_stale_temporaries(path)
+    tag = f".tmp-{path.name}-{_HOST}-{os.getpid()}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=path.parent)) if is_dir else path.with_name(tag)
     try:
         yield tmp
         if is_dir and path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+            old = Path(tempfile.mkdtemp(prefix=f"{tag}-old-", dir=path.parent))
+            os.replace(path, old)             # atomic: `path` is whole or absent, never half deleted
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+_HOST = re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete `.tmp-<name>-<this host>-<pid>*` siblings whose process is gone (a killed earlier write)."""
+    pattern = re.compile(rf"\.tmp-{re.escape(path.name)}-{re.escape(_HOST)}-(\d+)(-.*)?$")
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return
+    for p in siblings:
+        m = pattern.match(p.name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:               # e.g. EPERM: it exists, owned by someone else
+        return True
+    return True
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
@@ -72,3 +115,60 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+# ------------------------------------------------------------------------------------------ reading text
+_ID_KEYS = ("id", "example_id", "image_id")
+
+
+def decode_utf8(data: bytes, path: str | os.PathLike, record: Any = None) -> str:
+    """`data` as UTF-8 text, or an InputError naming the file and the record holding the first bad byte (the
+    id of the innermost JSON object whose string carries it; else `record`, else the byte offset)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        found, rid = _undecodable_owner(data)
+        where = rid if found and rid is not None else record if record is not None else f"byte {e.start}"
+        raise InputError(path, where, f"not UTF-8 text: byte {data[e.start:e.start + 1]!r} at offset {e.start} "
+                                      f"(re-encode the file as UTF-8)") from None
+
+
+def _undecodable_owner(data: bytes) -> tuple[bool, Any]:
+    try:
+        obj = json.loads(data.decode("utf-8", "surrogateescape"))
+    except ValueError:
+        return False, None
+
+    def walk(node, owner):
+        if isinstance(node, dict):
+            owner = next((node[k] for k in _ID_KEYS if isinstance(node.get(k), (int, str))), owner)
+            items = node.values()
+        elif isinstance(node, list):
+            items = node
+        else:
+            return (True, owner) if isinstance(node, str) and any("\udc80" <= c <= "\udcff" for c in node) \
+                else (False, None)
+        for v in items:
+            hit = walk(v, owner)
+            if hit[0]:
+                return hit
+        return False, None
+
+    return walk(obj, None)
+
+
+def read_jsonlines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, object) of every non-blank line; a line that is not UTF-8 or not JSON is an InputError
+    naming the file and the record (its example_id/id when readable, else the line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, None, "file not found")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode_utf8(raw, path, f"line {n}")
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(path, f"line {n}", f"not valid JSON: {e}") from e

@@ -94,7 +94,16 @@ def wordnet():
     _build_nltk_wordnet(root)
     if str(root) not in nltk.data.path:
         nltk.data.path.insert(0, str(root))
-    from nltk.corpus import wordnet as wn
+    import warnings
 
-    wn.ensure_loaded()
-    return wn
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    class EnglishWordNet(WordNetCorpusReader):
+        def map_wn(self, version="wordnet"):
+            # NLTK maps every synset onto "WordNet 3.0" for the multilingual OMW data at each load (~5 s of the
+            # ~10 s load), since get_version() ("3.0") never equals "wordnet"; English-only use needs no map.
+            return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # "multilingual functions are not available": none are used
+        return EnglishWordNet(str(root / "corpora" / "wordnet"), None)

@@ -18,7 +18,7 @@ from PIL import Image
 from _common import setup_logging, stage_params, stage_parser
 from clipfinetune.data.lism import (choose_test_pair, choose_training_pair, match_image,
                                     measure_against_ground_truth)
-from clipfinetune.io import InputError, atomic_path, write_json, write_parquet
+from clipfinetune.io import InputError, atomic_path, read_jsonlines, write_json, write_parquet
 
 OUT = Path("data/prepared/local_pairs.parquet")
 TEST_DIR = Path("data/prepared/global_local")
@@ -34,14 +34,14 @@ def load_model_for_lism(name: str, pretrained: str):
 
 def read_docci(path: Path) -> dict[str, dict]:
     records = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                    records[str(rec["example_id"])] = rec
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise InputError(path, f"line {line_no}", f"not a DOCCI record ({e})") from e
+    for line_no, rec in read_jsonlines(path):
+        try:
+            image_id = str(rec["example_id"])
+        except (KeyError, TypeError) as e:
+            raise InputError(path, f"line {line_no}", f"not a DOCCI record ({e})") from e
+        if image_id in records:
+            raise InputError(path, image_id, f"duplicate example_id (line {line_no})")
+        records[image_id] = rec
     return records
 
 

@@ -5,7 +5,6 @@ so a sharded run writes exactly what a single run writes.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,22 +15,22 @@ from PIL import Image
 
 from _common import setup_logging, stage_params, stage_parser
 from clipfinetune.data.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
-from clipfinetune.io import InputError, write_json, write_parquet
+from clipfinetune.io import InputError, read_jsonlines, write_json, write_parquet
 
 OUT = Path("data/prepared/segments.parquet")
 
 
 def read_docci_images(jsonl: Path, images: Path) -> list[tuple[str, Path]]:
-    items = []
-    with open(jsonl, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                items.append((str(rec["example_id"]), images / rec["image_file"]))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise InputError(jsonl, f"line {line_no}", f"not a DOCCI record ({e})") from e
+    items, seen = [], set()
+    for line_no, rec in read_jsonlines(jsonl):
+        try:
+            image_id, image_file = str(rec["example_id"]), rec["image_file"]
+        except (KeyError, TypeError) as e:
+            raise InputError(jsonl, f"line {line_no}", f"not a DOCCI record ({e})") from e
+        if image_id in seen:
+            raise InputError(jsonl, image_id, f"duplicate example_id (line {line_no})")
+        seen.add(image_id)
+        items.append((image_id, images / image_file))
     return sorted(items)
 
 

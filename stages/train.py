@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from _common import ROOT, setup_logging, stage_params, stage_parser
+from _common import ROOT, lockfile_skipped, setup_logging, stage_params, stage_parser
 
 LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
 METHOD_GROUPS = ("loss", "ablations", "custom", "model", "sentences")
@@ -29,7 +29,7 @@ def stage_inputs(stage: str) -> list[str]:
     declared params themselves."""
     from dvc.repo import Repo
 
-    with Repo(str(ROOT)) as repo:
+    with lockfile_skipped(), Repo(str(ROOT)) as repo:
         (info,) = repo.stage.collect_granular(stage)
         return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
 

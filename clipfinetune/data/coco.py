@@ -14,16 +14,16 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from clipfinetune.io import InputError
+from clipfinetune.io import InputError, decode_utf8
 
 
 def load_json(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise InputError(path, None, "file not found")
+    text = decode_utf8(path.read_bytes(), path)
     try:
-        with open(path, "rb") as f:
-            return json.load(f)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(path, None, f"not valid JSON: {e}") from e
 
@@ -39,6 +39,8 @@ def images_by_id(coco: dict, path="<coco>") -> dict[int, dict]:
     out = {}
     for img in coco.get("images", []):
         _require(path, img, ("id", "file_name", "width", "height"), "image")
+        if img["id"] in out:
+            raise InputError(path, img["id"], "duplicate image id in images[]")
         out[img["id"]] = img
     return out
 
@@ -47,16 +49,19 @@ def normalize_caption(text) -> str:
     return " ".join(str(text).split())
 
 
-def captions_by_image(coco_captions: dict, path="<captions>") -> dict[int, list[tuple[int, str]]]:
+def captions_by_image(coco_captions: dict, path="<captions>", counts=None) -> dict[int, list[tuple[int, str]]]:
     """image id -> [(caption_id, caption), ...] in file order (this order defines caption_index).
 
-    Images are sorted by id; empty captions are left out (they have no caption_index)."""
+    Images are sorted by id; empty captions are left out (they have no caption_index) and counted in
+    `counts["empty_captions_skipped"]` when a Counter is given."""
     out: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for ann in coco_captions.get("annotations", []):
         _require(path, ann, ("id", "image_id", "caption"), "caption annotation")
         text = normalize_caption(ann["caption"])
         if text:
             out[ann["image_id"]].append((ann["id"], text))
+        elif counts is not None:
+            counts["empty_captions_skipped"] += 1
     return dict(sorted(out.items()))
 
 

@@ -26,7 +26,7 @@ from clipfinetune.data.llm_negatives import Request
 from clipfinetune.data.negative_validators import TYPES, check
 from clipfinetune.data.negatives_cache import answer_key
 from clipfinetune.data.rule_negatives import warm
-from clipfinetune.io import InputError
+from clipfinetune.io import InputError, decode_utf8
 
 log = logging.getLogger(__name__)
 SLOTS = (("reshuffle",), ("swap_nouns", "swap_adjectives"), ("replace_adjectives",), ("replace_nouns",))
@@ -43,7 +43,7 @@ def load_coco_captions(path: str | Path) -> tuple[list[dict], Counter]:
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(decode_utf8(path.read_bytes(), path))
     except FileNotFoundError as e:
         raise InputError(path, None, "captions file not found (run the `sample` stage or set negatives.captions)") from e
     except ValueError as e:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from clipfinetune.io import InputError
+from clipfinetune.io import InputError, read_jsonlines
 
 COLUMNS = ["image_id", "source", "long_caption", "sentence_index", "text", "char_start", "char_end"]
 SEGMENTERS = ("senter", "parser")
@@ -136,22 +136,13 @@ def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segment
 def read_docci(path: str | os.PathLike, splits: tuple[str, ...] | None = None) -> list[dict]:
     """DOCCI `docci_descriptions.jsonlines`: example_id, split, image_file, description."""
     path, out = Path(path), []
-    if not path.is_file():
-        raise InputError(path, None, "file not found")
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(path, f"line {n}", f"not valid JSON: {e}") from e
-            missing = [k for k in ("example_id", "split", "image_file", "description") if k not in ex]
-            if missing:
-                raise InputError(path, ex.get("example_id", f"line {n}"), f"missing keys {missing}")
-            if splits is None or ex["split"] in splits:
-                out.append({"image_id": str(ex["example_id"]), "source": "docci", "split": ex["split"],
-                            "image": ex["image_file"], "long_caption": ex["description"], "path": str(path)})
+    for n, ex in read_jsonlines(path):
+        missing = [k for k in ("example_id", "split", "image_file", "description") if k not in ex]
+        if missing:
+            raise InputError(path, ex.get("example_id", f"line {n}"), f"missing keys {missing}")
+        if splits is None or ex["split"] in splits:
+            out.append({"image_id": str(ex["example_id"]), "source": "docci", "split": ex["split"],
+                        "image": ex["image_file"], "long_caption": ex["description"], "path": str(path)})
     return out
 
 

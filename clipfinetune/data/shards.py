@@ -84,7 +84,7 @@ def coco_records(captions_json, images_dir, word_regions: pd.DataFrame, negative
     imgs = cocoio.images_by_id(coco, captions_json)
     wr, neg = _group(word_regions), _group(negatives)
     out = []
-    for image_id, caps in cocoio.captions_by_image(coco, captions_json).items():
+    for image_id, caps in cocoio.captions_by_image(coco, captions_json, counts).items():
         if image_id not in imgs:
             raise InputError(captions_json, image_id, "captions of an image absent from images[]")
         img, captions = imgs[image_id], [c for _, c in caps]
@@ -233,7 +233,7 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
         for key in ("images_skipped_missing", "images_skipped_corrupt", "images_skipped_size_mismatch",
                     "samples_train", "samples_val", "word_regions_stale_dropped", "negatives_stale_dropped",
                     "negatives_unmatched_image_dropped", "local_pair_global_wins", "local_pair_stale_dropped",
-                    "docci_without_sentences", "docci_empty_long_caption_skipped"):
+                    "docci_without_sentences", "docci_empty_long_caption_skipped", "empty_captions_skipped"):
             counts.setdefault(key, 0)
         meta = {"maxcount": maxcount, "val_fraction": val_fraction,
                 "split_rule": "val iff int(sha1(key)[:8], 16) / 2**32 < val_fraction; key = <source>_<image_id>",

@@ -239,8 +239,8 @@ def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lo
         for a in lst:
             if a["category_id"] not in names:
                 raise InputError(instances_path, a["id"], f"unknown category_id {a['category_id']}")
-    caps = cocoio.captions_by_image(captions, captions_path)
     counts: Counter = Counter()
+    caps = cocoio.captions_by_image(captions, captions_path, counts)
     boxes = {i: _chosen_boxes(anns.get(i, []), images[i], instance_rule, counts) for i in images}
     matcher = CategoryMatcher(names, aliases)
 
@@ -274,6 +274,7 @@ def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lo
     meta = {"rows": len(frame), "images_matched": len(matched_images), "lemmatizer": lemmatizer,
             "instance_rule": instance_rule, "categories": len(names), **dict(sorted(counts.items()))}
     for key in ("captions_dropped_no_match", "captions_matched", "repeated_mentions_dropped",
-                "crowd_instances_ignored", "degenerate_boxes_skipped", "captions_dropped_image_not_in_instances"):
+                "crowd_instances_ignored", "degenerate_boxes_skipped", "captions_dropped_image_not_in_instances",
+                "empty_captions_skipped"):
         meta.setdefault(key, 0)
     return frame, meta

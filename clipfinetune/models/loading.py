@@ -54,7 +54,10 @@ def load_model(name: str, pretrained: str = "", device: str | torch.device = "cp
     register_bundled_configs()
     exported = _as_local_dir(name) or _as_local_dir(pretrained)
     if exported:
-        model_cfg = json.loads(Path(exported[len(LOCAL_DIR):], CONFIG_FILE).read_text())["model_cfg"]
+        folder = Path(exported[len(LOCAL_DIR):])
+        model_cfg = json.loads((folder / CONFIG_FILE).read_text())["model_cfg"]
+        if (folder / WEIGHTS_FILE).is_file():
+            _load_safetensors(folder / WEIGHTS_FILE)       # a truncated/corrupt file: a clear error naming it
         clip = open_clip.create_model(exported, precision=precision, device=device)
         return ClipModel(clip, model_cfg, tokenizer_source=_tokenizer_source(exported, model_cfg), precision=precision)
 
@@ -87,13 +90,15 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors of a checkpoint file; refuses pickled objects (torch.load with weights_only=True)."""
     path = str(path)
     if path.endswith(".safetensors"):
-        obj = load_file(path)
+        obj = _load_safetensors(path)
     else:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
             raise InputError(path, "checkpoint", "holds pickled objects, refused (weights_only=True); "
                                                  "save a state dict of tensors instead") from error
+        except (RuntimeError, EOFError, OSError, ValueError) as error:
+            raise InputError(path, "checkpoint", f"cannot be read (truncated or corrupt?): {error}") from error
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
@@ -103,6 +108,13 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if obj and all(k.startswith(prefix) for k in obj):
             obj = {k[len(prefix):]: v for k, v in obj.items()}
     return fold_kept_rows_state_dict(fold_lora_state_dict(obj))
+
+
+def _load_safetensors(path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as error:   # safetensors raises its own SafetensorError (and OSError)
+        raise InputError(path, "weights", f"cannot be read (truncated or corrupt?): {error}") from error
 
 
 def load_state_dict_into(clip: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str = "") -> None:

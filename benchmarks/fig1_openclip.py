@@ -1,0 +1,231 @@
+"""Figure 1: our plain-CLIP `Trainer` vs `open_clip_train` (same model, fp32, CPU, batch size, shards, workers).
+
+Both sides run as separate processes, alternately (ours, theirs, ours, ...), each a full epoch over the train
+shards with 2 loader workers. The throughput of a run is the median of its per-step samples/s after
+`SKIP` warm-up steps, each step timed end to end including the wait for data (our Trainer's `samples_per_s`;
+open_clip's logged `<n>/s`, with --log-every-n-steps 1, whose batch time also includes the data wait). The
+figure is the median over pairs of (ours / theirs).
+
+What differs between the two (by design, not by setting):
+- our text tower runs only up to the batch's longest caption (exact under CLIP's causal mask; ~20 of 77
+  positions on COCO captions); open_clip encodes all 77 positions;
+- open_clip's train transform is RandomResizedCrop (+ its webdataset decode), ours the squash resize;
+- open_clip reads every record (the DOCCI records' `txt` too), we read only those the method wants; per step
+  both process the same batch size.
+- the in-process breakdown (`compute_only`) times one optimiser step on a fixed batch: ours (`Trainer.train_step`)
+  vs an open_clip-style step on the same tensors (model(images, texts) at 77 tokens, open_clip `ClipLoss`,
+  grad clip, AdamW), and ours with text trimming off, to separate the trimming from the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+
+from .common import ROOT, SHARDS, WORK, Row, median, python, run, shell
+
+SKIP = 5                     # warm-up steps dropped per run (shuffle-buffer fill, allocator warm-up)
+OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+ .*?Batch \(t\): [\d.]+, ([\d.eE+]+)/s, ")
+
+
+def train_shards() -> list[str]:
+    return sorted(str(p) for p in SHARDS.glob("train-*.tar"))
+
+
+def shard_brace() -> str:
+    names = [p.rsplit("-", 1)[1].split(".")[0] for p in train_shards()]
+    return str(SHARDS / f"train-{{{names[0]}..{names[-1]}}}.tar")
+
+
+# ------------------------------------------------------------------------------------------ ours (child process)
+def child(model_dir: str, batch_size: int, workers: int, trim: bool = True) -> None:
+    """Our stage's training path (ShardLoader + Trainer, plain CLIP), one epoch; prints per-step samples/s."""
+    import torch  # noqa: F401
+
+    from clipfinetune.data.loader import ExampleContext, ShardLoader
+    from clipfinetune.methods import build_method
+    from clipfinetune.models import load_model
+    from clipfinetune.train import TrainConfig, Trainer
+    from clipfinetune.train import loop as loop_mod
+    from clipfinetune.train.checkpoint import seed_everything
+
+    steps = []
+
+    class Recorder:
+        def __init__(self, *a, **k):
+            pass
+
+        def log(self, step, scalars):
+            steps.append(scalars["samples_per_s"])
+
+        def close(self):
+            pass
+
+    loop_mod.Monitor = Recorder
+    cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=2e-4, warmup=20, wd=0.1, beta1=0.9, beta2=0.98, eps=1e-6,
+                      grad_clip=1.0, workers=workers, seed=0)
+    seed_everything(0)
+    model = load_model("local-dir:" + model_dir)
+    method = build_method("clip")
+    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+    loader = ShardLoader(SHARDS, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
+    trainer = Trainer(method, model, loader, cfg)
+    t0 = time.perf_counter()
+    trainer.fit()
+    print(json.dumps({"samples_per_s": steps, "wall_s": time.perf_counter() - t0, "steps": len(steps)}))
+
+
+def ours_cmd(model_dir, batch_size, workers) -> list[str]:
+    return [python(), "-m", "benchmarks.fig1_openclip", "--child", "--model", str(model_dir),
+            "--batch-size", str(batch_size), "--workers", str(workers)]
+
+
+def openclip_cmd(model_dir, batch_size, workers, n_samples, name) -> list[str]:
+    return [python(), "-m", "clipfinetune.data.open_clip_compat", "--dataset-type", "webdataset",
+            "--train-data", shard_brace(), "--train-num-samples", str(n_samples),
+            "--model", f"local-dir:{model_dir}", "--precision", "fp32", "--device", "cpu",
+            "--batch-size", str(batch_size), "--workers", str(workers), "--epochs", "1",
+            "--lr", "2e-4", "--wd", "0.1", "--warmup", "20", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
+            "--grad-clip-norm", "1.0", "--seed", "0", "--log-every-n-steps", "1",
+            "--save-frequency", "0", "--zeroshot-frequency", "0", "--val-frequency", "0", "--report-to", "",
+            "--logs", str(WORK / "oc_logs"), "--name", name]
+
+
+def run_ours(model_dir, batch_size, workers) -> dict:
+    cmd = ours_cmd(model_dir, batch_size, workers)
+    rc, out, wall = run(cmd)
+    if rc != 0:
+        raise RuntimeError(f"our trainer run failed ({rc}):\n{out[-3000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    sps = res["samples_per_s"][SKIP:]
+    return {"median_sps": median(sps), "steps": res["steps"], "timed_steps": len(sps), "process_wall_s": wall}
+
+
+def run_openclip(model_dir, batch_size, workers, n_samples, i) -> dict:
+    name = f"bench-{int(time.time())}-{i}"
+    cmd = openclip_cmd(model_dir, batch_size, workers, n_samples, name)
+    rc, out, wall = run(cmd)
+    shutil.rmtree(WORK / "oc_logs" / name, ignore_errors=True)
+    if rc != 0:
+        raise RuntimeError(f"open_clip_train run failed ({rc}):\n{out[-3000:]}")
+    per_step = {}
+    for m in OC_STEP.finditer(out):
+        per_step[int(m.group(1))] = float(m.group(2))       # keyed by samples done: the last line may repeat
+    sps = [v for _, v in sorted(per_step.items())]
+    if not sps:
+        raise RuntimeError(f"no step lines in open_clip_train's log:\n{out[-3000:]}")
+    return {"median_sps": median(sps[SKIP:]), "steps": len(sps), "timed_steps": len(sps[SKIP:]),
+            "process_wall_s": wall}
+
+
+# ------------------------------------------------------------------------------------------ compute-only breakdown
+def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6) -> dict:
+    """samples/s of one optimiser step on a fixed real batch: ours, ours untrimmed, open_clip-style."""
+    import random
+
+    import torch
+    from open_clip.loss import ClipLoss as OcClipLoss
+    from torch.utils.data import default_collate
+
+    from clipfinetune.data.loader import ExampleContext
+    from clipfinetune.methods import build_method
+    from clipfinetune.models import load_model
+    from clipfinetune.train import TrainConfig, Trainer
+
+    from .fig2_methods import FixedSource, shard_samples, make_batch
+
+    samples = shard_samples()
+    cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=2e-4, warmup=0, wd=0.1, grad_clip=1.0)
+
+    def ours(trim: bool):
+        model = load_model("local-dir:" + str(model_dir))
+        method = build_method("clip")
+        ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+        batch = make_batch(method, ctx, samples, batch_size)
+        if not trim:
+            model._can_trim = lambda: False
+        tr = Trainer(method, model, FixedSource(batch), cfg)
+        tr.module.train()
+        return lambda: tr.train_step([batch]), batch
+
+    def theirs(batch):
+        model = load_model("local-dir:" + str(model_dir)).clip
+        model.output_dict = True                                 # as open_clip_train creates it
+        model.train()
+        loss = OcClipLoss()
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
+
+        def step():
+            opt.zero_grad()
+            out = model(batch["image"], batch["text"])
+            total = loss(out["image_features"], out["text_features"], out["logit_scale"])
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, 4.6052)
+        return step
+
+    ours_step, batch = ours(True)
+    untrimmed_step, _ = ours(False)
+    oc_step = theirs(batch)
+    fns = {"ours": ours_step, "ours_untrimmed": untrimmed_step, "open_clip_style": oc_step}
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn(); fn()                                               # warm-up
+    for _ in range(reps):                                        # interleaved rounds
+        for k, fn in fns.items():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    text_len = int(batch["text"].argmax(dim=1).max()) + 1
+    return {k: batch_size / median(v) for k, v in times.items()} | {"text_positions_ours": text_len,
+                                                                     "text_positions_open_clip": batch["text"].shape[1]}
+
+
+# ------------------------------------------------------------------------------------------ the figure
+def figure(model_dir, *, batch_size: int = 64, workers: int = 2, pairs: int = 3, log=print) -> list[Row]:
+    from clipfinetune.data.loader import count_wanted
+    from clipfinetune.methods import build_method
+
+    _, wanted, _ = count_wanted(train_shards(), build_method("clip"))
+    batches = -(-sum(wanted) // batch_size)
+    batches = -(-batches // workers) * workers
+    n_samples = batches * batch_size                  # open_clip: the same number of steps as our epoch
+    ours_runs, oc_runs = [], []
+    for i in range(pairs):
+        a = run_ours(model_dir, batch_size, workers)
+        log(f"  fig1 pair {i}: ours {a['median_sps']:.1f} samples/s ({a['timed_steps']} timed steps)")
+        b = run_openclip(model_dir, batch_size, workers, n_samples, i)
+        log(f"  fig1 pair {i}: open_clip_train {b['median_sps']:.1f} samples/s ({b['timed_steps']} timed steps)")
+        ours_runs.append(a)
+        oc_runs.append(b)
+    ratios = [a["median_sps"] / b["median_sps"] for a, b in zip(ours_runs, oc_runs)]
+    ratio = median(ratios)
+    log("  fig1 compute-only breakdown (in process, fixed batch)...")
+    breakdown = compute_only(model_dir, batch_size)
+    commands = [shell(ours_cmd(model_dir, batch_size, workers)),
+                shell(openclip_cmd(model_dir, batch_size, workers, n_samples, "bench-<ts>-<i>")),
+                f"in process: benchmarks.fig1_openclip.compute_only(model, batch_size={batch_size})"]
+    row = Row("1 Trainer vs open_clip_train (samples/s)", median([a["median_sps"] for a in ours_runs]),
+              median([b["median_sps"] for b in oc_runs]), ratio, ">= 1.0x", ratio >= 1.0, "samples/s",
+              {"batch_size": batch_size, "workers": workers, "pairs": pairs, "warmup_steps_dropped": SKIP,
+               "ratio_per_pair": ratios, "ours_runs": ours_runs, "open_clip_runs": oc_runs,
+               "compute_only_samples_per_s": breakdown}, commands)
+    return [row]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    a = ap.parse_args()
+    if not a.child:
+        sys.exit("use `python -m benchmarks --only 1`")
+    child(a.model, a.batch_size, a.workers)

@@ -1,0 +1,236 @@
+"""Check a params file before anything runs: every configured path, weight and endpoint.
+
+    python -m clipfinetune.validate [--params params.yaml] [--root .] [--timeout 5]
+
+Names everything missing (one line each: the param key, what was expected, where) and exits 1 if anything is;
+notes (e.g. a CPU fallback in use, open_clip weights not cached yet) do not fail. Paths that a pipeline stage
+produces (outs in dvc.yaml, e.g. models/base, data/prepared/...) are not required to exist yet.
+
+`check(params, root)` is the library entry: it takes the params as a dict and reads no file on its own; only the
+command line reads the params file it is given.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+FILE_SUFFIXES = (".json", ".jsonl", ".jsonlines", ".parquet", ".pt", ".pth", ".safetensors", ".bin", ".txt", ".tsv")
+DIR_KEYS = ("images", "dir", "dci", "urban1k", "coco_images", "docci_images", "coco_order_images")
+# (param key, kind) of the single-path params; kind: file | dir | any
+PATH_PARAMS = [
+    ("word_regions.instances", "file"), ("word_regions.captions", "file"), ("sentences.docci", "file"),
+    ("segments.docci", "file"), ("segments.images", "dir"),
+    ("lism.docci", "file"), ("lism.images", "dir"), ("lism.sentences", "file"), ("lism.segments", "file"),
+    ("lism.ground_truth", "file"), ("negatives.captions", "file"),
+    ("shards.coco_captions", "file"), ("shards.coco_images", "dir"), ("shards.docci", "file"),
+    ("shards.docci_images", "dir"),
+]
+
+
+@dataclass
+class Finding:
+    key: str
+    message: str
+    missing: bool = True
+
+    def __str__(self):
+        return f"{'MISSING' if self.missing else 'note'}  {self.key}: {self.message}"
+
+
+def _get(params: dict, key: str):
+    node = params
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def produced_paths(root: Path) -> list[str]:
+    """Outputs of the pipeline's stages (dvc.yaml beside the params), which need not exist before `dvc repro`."""
+    if not (root / "dvc.yaml").is_file():
+        return []
+    try:
+        from dvc.repo import Repo
+
+        with Repo(str(root)) as repo:
+            return [str(Path(o.fs_path).relative_to(root.resolve())) for o in repo.index.outs]
+    except Exception:           # not a DVC repo (a bare copy of the params): every path must exist
+        return []
+
+
+def _is_produced(path: str, produced: list[str]) -> bool:
+    p = Path(path)
+    return not p.is_absolute() and any(p == Path(o) or Path(o) in p.parents for o in produced)
+
+
+def check_path(key: str, value, kind: str, root: Path, produced: list[str]) -> list[Finding]:
+    if value in (None, ""):
+        return []
+    path = Path(str(value)).expanduser()
+    full = path if path.is_absolute() else root / path
+    if full.exists():
+        if kind == "file" and not full.is_file():
+            return [Finding(key, f"{value} is a folder, a file is expected")]
+        if kind == "dir" and not full.is_dir():
+            return [Finding(key, f"{value} is a file, a folder is expected")]
+        return []
+    if _is_produced(str(path), produced):
+        return []
+    return [Finding(key, f"{kind if kind != 'any' else 'path'} {value} does not exist ({full})")]
+
+
+def check_weights(key: str, name: str, pretrained: str, root: Path, produced: list[str]) -> list[Finding]:
+    """An open_clip model name + pretrained: "" (train from scratch), local-dir:<folder>, a checkpoint file, or a tag."""
+    out: list[Finding] = []
+    if pretrained.startswith("local-dir:"):
+        folder = pretrained.split(":", 1)[1]
+        out += check_path(key + ".pretrained", folder, "dir", root, produced)
+        full = Path(folder) if Path(folder).is_absolute() else root / folder
+        if full.is_dir() and not (full / "open_clip_config.json").is_file():
+            out.append(Finding(key + ".pretrained", f"{folder} has no open_clip_config.json (export_model layout)"))
+        return out
+    if name and (root / name).exists() or _is_produced(name, produced):  # an exported folder as the model name
+        return check_path(key, name, "dir", root, produced)
+    import open_clip
+
+    from clipfinetune.models import loading
+
+    known = set(open_clip.list_models()) | set(getattr(loading, "BUNDLED_MODELS", ()))
+    configs = Path(loading.__file__).parent / "configs"
+    known |= {p.stem for p in configs.glob("*.json")}
+    if name not in known:
+        out.append(Finding(key, f"open_clip model {name!r} is unknown (neither open_clip nor clipfinetune/models/configs)"))
+    if not pretrained:
+        return out
+    if any(pretrained.endswith(s) for s in FILE_SUFFIXES) or "/" in pretrained:
+        return out + check_path(key + ".pretrained", pretrained, "file", root, produced)
+    tags = open_clip.list_pretrained_tags_by_model(name) if name in open_clip.list_models() else []
+    if pretrained not in tags:
+        return out + [Finding(key + ".pretrained", f"{pretrained!r} is not an open_clip tag of {name} ({tags})")]
+    if not _weights_cached(name, pretrained):
+        out.append(Finding(key + ".pretrained", f"{name}/{pretrained} not in the local cache yet: downloaded on "
+                                                "first use (needs network)", missing=False))
+    return out
+
+
+def _weights_cached(name: str, tag: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from open_clip.pretrained import get_pretrained_cfg
+
+        cfg = get_pretrained_cfg(name, tag)
+        hub = cfg.get("hf_hub", "")
+        if hub:
+            repo_id = "/".join(hub.rstrip("/").split("/")[:2])
+            for fname in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin"):
+                if isinstance(try_to_load_from_cache(repo_id, fname), str):
+                    return True
+        url = cfg.get("url", "")
+        if url:
+            cache = Path.home() / ".cache" / "clip" / url.rsplit("/", 1)[-1]
+            return cache.is_file()
+    except Exception:
+        return False
+    return False
+
+
+def check_endpoint(base_url: str, model: str, timeout: float) -> list[Finding]:
+    url = base_url.rstrip("/") + "/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = json.loads(resp.read().decode() or "{}")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return [Finding("negatives.base_url", f"GET {url} failed ({getattr(e, 'reason', e)}): is the vLLM server "
+                                              f"running? (`vllm serve {model}`)")]
+    served = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+    if model not in served:
+        return [Finding("negatives.model", f"{model!r} is not served at {url} (serving: {served})")]
+    return []
+
+
+def _benchmark_paths(task: str, name: str, cfg, prefix: str):
+    """(key, value, kind) for every path-valued leaf of one benchmark set."""
+    if isinstance(cfg, dict):
+        for k, v in cfg.items():
+            yield from _benchmark_paths(task, name, v, f"{prefix}.{k}")
+        return
+    if not isinstance(cfg, str) or not cfg:
+        return
+    leaf = prefix.rsplit(".", 1)[-1]
+    kind = "dir" if leaf in DIR_KEYS or prefix.split(".")[-2] == "images" else \
+        "file" if cfg.endswith(FILE_SUFFIXES) else "any"
+    yield prefix, cfg, kind
+
+
+def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None) -> list[Finding]:
+    root = Path(root)
+    produced = produced_paths(root) if produced is None else produced
+    found: list[Finding] = []
+    found += check_weights("model", str(_get(params, "model.name") or ""), str(_get(params, "model.pretrained") or ""),
+                           root, produced)
+    found += check_weights("lism.model", str(_get(params, "lism.model") or ""),
+                           str(_get(params, "lism.pretrained") or ""), root, produced)
+    for key, kind in PATH_PARAMS:
+        found += check_path(key, _get(params, key), kind, root, produced)
+
+    sam = _get(params, "segments.sam_checkpoint")
+    if sam:
+        found += check_path("segments.sam_checkpoint", sam, "file", root, produced)
+        if importlib.util.find_spec("segment_anything") is None:
+            found.append(Finding("segments.sam_checkpoint", "package segment_anything is not installed "
+                                 "(pip install git+https://github.com/facebookresearch/segment-anything)"))
+    else:
+        found.append(Finding("segments.sam_checkpoint", "empty: the CPU segmenter (scikit-image) is used", False))
+
+    backend = _get(params, "negatives.backend")
+    if backend == "server":
+        found += check_endpoint(str(_get(params, "negatives.base_url")), str(_get(params, "negatives.model")), timeout)
+    elif backend == "offline" and importlib.util.find_spec("vllm") is None:
+        found.append(Finding("negatives.backend", "offline needs the vllm package (pip install vllm)"))
+    elif backend not in ("rules", "server", "offline"):
+        found.append(Finding("negatives.backend", f"{backend!r} is not one of rules|server|offline"))
+
+    benchmarks = _get(params, "eval.benchmarks") or {}
+    sets = set()
+    for task, by_set in benchmarks.items():
+        for name, cfg in (by_set or {}).items():
+            sets.add(name)
+            for key, value, kind in _benchmark_paths(task, name, cfg, f"eval.benchmarks.{task}.{name}"):
+                found += check_path(key, value, kind, root, produced)
+    report_set = _get(params, "eval.report.set")
+    if report_set and report_set not in sets:
+        found.append(Finding("eval.report.set", f"{report_set!r} names no configured benchmark set ({sorted(sets)})"))
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clipfinetune.validate", description=__doc__.splitlines()[0])
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--root", default=None, help="project root paths are relative to (default: the params file's folder)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds for the endpoint check")
+    args = p.parse_args(argv)
+    import yaml
+
+    params_path = Path(args.params)
+    if not params_path.is_file():
+        print(f"MISSING  {params_path} does not exist")
+        return 1
+    params = yaml.safe_load(params_path.read_text()) or {}
+    root = Path(args.root) if args.root else params_path.resolve().parent
+    findings = check(params, root, args.timeout)
+    for f in findings:
+        print(f)
+    missing = [f for f in findings if f.missing]
+    print(f"{params_path}: {len(missing)} missing" + ("" if missing else " - ready to run"))
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Fault-injection suite: shared tiny project (issue 16).
+
+ONE session fixture (`tiny_project`) copies the repo's code (stages/, clipfinetune/, dvc.yaml, params.yaml) into
+a temporary folder, makes it a DVC repo (`dvc init --no-scm`), shrinks params.yaml to a tiny sample world and
+runs every data stage plus `pretrain` there for real, as `python stages/<name>.py --stage <name>` subprocesses.
+Its outputs are the references the fault tests compare against. A test copies the project (`clone`) and
+mutates only its copy; stages run either in a subprocess (kills, resumes) or in-process (`run_inprocess`, the
+stage's own `main()` with `_common.ROOT` pointed at the copy) when the test only needs its error or its meta.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+# the tiny world: a few seconds per stage, but every code path (several shards, COCO + DOCCI, train + test)
+TINY = {
+    "sample": dict(n_train=8, n_val=4, n_docci_train=6, n_docci_test=2, n_compositional=2,
+                   n_zeroshot_per_class=1),
+    "pretrain": dict(epochs=1, batch_size=4, warmup=1, checkpoint_every=0),
+    "train": dict(epochs=2, batch_size=4, warmup=1, checkpoint_every=1, workers=0),
+    "shards": dict(maxcount=4),
+    "lism": dict(batch_size=16),
+}
+# stage -> what it writes (relative to the project root); meta keys that measure the run, not its result
+OUTPUTS = {
+    "sample": ["data/sample"],
+    "word_regions": ["data/prepared/word_regions.parquet", "data/prepared/word_regions.meta.json"],
+    "sentences": ["data/prepared/sentences.parquet", "data/prepared/sentences.meta.json"],
+    "segments": ["data/prepared/segments.parquet", "data/prepared/segments.meta.json"],
+    "negatives": ["data/prepared/negatives.parquet", "data/prepared/negatives.meta.json",
+                  "metrics/negatives.json"],
+    "lism": ["data/prepared/local_pairs.parquet", "data/prepared/local_pairs.meta.json",
+             "data/prepared/global_local", "metrics/lism.json"],
+    "shards": ["data/shards"],
+}
+RUN_STATISTICS = {"data/prepared/negatives.meta.json": {"seconds", "requests_asked", "answers_from_cache",
+                                                         "cache_corrupt_lines"}}
+CODE = ["stages", "clipfinetune", "dvc.yaml", "params.yaml", ".dvc"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+       "DVC_NO_ANALYTICS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+ENV.pop("DVC_STAGE", None)
+
+
+def _ignore(_dir, names):
+    return [n for n in names if n in ("__pycache__", "tmp") or n.endswith(".pyc")]
+
+
+def stage_cmd(stage: str) -> list[str]:
+    if stage.startswith("train@"):
+        run = stage.split("@", 1)[1]
+        return [PY, "stages/train.py", "--run", run, "--method", run, "--stage", stage]
+    return [PY, f"stages/{stage}.py", "--stage", stage]
+
+
+def start_stage(root: Path, stage: str) -> subprocess.Popen:
+    return subprocess.Popen(stage_cmd(stage), cwd=root, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def run_stage(root: Path, stage: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(stage_cmd(stage), cwd=root, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"stage {stage} failed in {root}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the stage (our own child, by pid) and reap it."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+
+class Project:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def __truediv__(self, rel) -> Path:
+        return self.root / rel
+
+    def params(self) -> dict:
+        return yaml.safe_load((self.root / "params.yaml").read_text())
+
+    def set_params(self, **groups) -> None:
+        p = self.params()
+        for group, values in groups.items():
+            p[group].update(values)
+        (self.root / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+
+    def clone(self, dst: Path, data: list[str] = ()) -> "Project":
+        """A copy of the code, the DVC metadata and the listed data paths (everything a test mutates)."""
+        dst.mkdir(parents=True, exist_ok=True)
+        for rel in [*CODE, *data]:
+            src = self.root / rel
+            if src.is_dir():
+                shutil.copytree(src, dst / rel, ignore=_ignore, symlinks=True)
+            elif src.exists():
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst / rel)
+        return Project(dst)
+
+    def snapshot(self, stage: str) -> dict[str, bytes]:
+        """Every file a stage wrote, by relative path; run statistics removed from its meta JSON."""
+        out = {}
+        for rel in OUTPUTS[stage]:
+            p = self.root / rel
+            files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+            for f in files:
+                key = f.relative_to(self.root).as_posix()
+                data = f.read_bytes()
+                if key in RUN_STATISTICS:
+                    meta = json.loads(data)
+                    for k in RUN_STATISTICS[key]:
+                        meta.pop(k, None)
+                    data = json.dumps(meta, sort_keys=True).encode()
+                out[key] = data
+        return out
+
+    def meta(self, rel: str) -> dict:
+        return json.loads((self.root / rel).read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_project(tmp_path_factory) -> Project:
+    root = tmp_path_factory.mktemp("tiny_project")
+    for rel in ("stages", "clipfinetune", "dvc.yaml", "params.yaml"):
+        src = REPO / rel
+        if src.is_dir():
+            shutil.copytree(src, root / rel, ignore=_ignore)
+        else:
+            shutil.copy2(src, root / rel)
+    subprocess.run([PY, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, env=ENV, check=True)
+    proj = Project(root)
+    proj.set_params(**TINY)
+    proj.durations = {}
+
+    def timed(stages):       # independent stages run side by side (one thread each)
+        t0 = time.perf_counter()
+        procs = {s: start_stage(root, s) for s in stages}
+        for s, p in procs.items():
+            out, _ = p.communicate(timeout=300)
+            if p.returncode != 0:
+                raise AssertionError(f"building the tiny project: stage {s} failed:\n{out[-5000:]}")
+            proj.durations[s] = time.perf_counter() - t0
+
+    timed(["sample"])
+    timed(["word_regions", "sentences", "segments"])
+    timed(["negatives", "pretrain"])
+    timed(["lism"])
+    timed(["shards"])
+    return proj
+
+
+# ------------------------------------------------------------------------------------------ in-process stages
+@pytest.fixture()
+def inprocess(monkeypatch):
+    """run(project, stage, *argv): the stage's own main() in this process, against the project copy."""
+    monkeypatch.syspath_prepend(str(REPO / "stages"))
+    monkeypatch.syspath_prepend(str(REPO))
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+
+    def run(proj: Project, stage: str, *argv: str):
+        import _common
+        import stages._common as pkg_common
+
+        name = stage.split("@")[0]
+        module = importlib.import_module(name)
+        for mod in (_common, pkg_common, module):
+            # ROOT and every absolute path derived from it at import time (e.g. sample's OUT) -> the copy:
+            # an in-process stage must never write into the repository itself
+            for attr, value in list(vars(mod).items()):
+                if isinstance(value, Path) and value.is_absolute() and value.is_relative_to(REPO):
+                    monkeypatch.setattr(mod, attr, proj.root / value.relative_to(REPO))
+            leftover = [a for a, v in vars(mod).items() if isinstance(v, (str, Path)) and str(v).startswith(str(REPO))
+                        and a not in ("__file__", "__cached__")]
+            assert not leftover, f"{mod.__name__}: {leftover} still point into {REPO}"
+        monkeypatch.chdir(proj.root)
+        monkeypatch.setattr(sys, "argv", [f"stages/{name}.py", *argv, "--stage", stage])
+        return module.main()
+
+    return run
+
+
+def corrupt_jpeg(path: Path) -> None:
+    """Keep the JPEG header (it still opens) but cut the entropy-coded data: decoding fails."""
+    data = path.read_bytes()
+    path.write_bytes(data[: max(200, len(data) // 3)])

@@ -1,0 +1,162 @@
+"""The whole DVC DAG end to end on a tiny sample world, in a throw-away git repo copy of the project.
+
+One module-scoped fixture runs `dvc repro` (every stage, all 13 train runs) and the experiment flow once;
+the tests read what it recorded:
+  - a second `dvc repro` is a no-op and `dvc status` is clean;
+  - changing `loss.lambda_l` makes `dvc status` list exactly `train@fsc_clip`;
+  - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
+  - `dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
+Run with `pytest -m dag` (several minutes on 2 CPU cores; see TINY for the profile).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clipfinetune.profile import deep_merge
+
+pytestmark = pytest.mark.dag
+
+ROOT = Path(__file__).resolve().parents[1]
+EXCLUDED = ("data/", "models/", "metrics/", "dvclive/", "checkpoints/", "reports/", ".venv/")
+# The tiny profile: every stage runs, on the smallest world the stages accept, one epoch, no loader workers.
+TINY = {
+    "sample": {"n_train": 48, "n_val": 24, "n_docci_train": 24, "n_docci_test": 12, "n_compositional": 25,
+               "n_zeroshot_per_class": 2},
+    "pretrain": {"epochs": 1, "batch_size": 16, "warmup": 1, "checkpoint_every": 0},
+    "train": {"epochs": 1, "batch_size": 16, "warmup": 1, "workers": 0, "checkpoint_every": 0},
+    "lism": {"batch_size": 32},
+    "eval": {"batch_size": 64, "threads": 1},
+}
+RAN = re.compile(r"Running stage '([^']+)'")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["DVC_NO_ANALYTICS"] = "1"
+    env.pop("DVC_STAGE", None)
+    env.pop("DVC_ROOT", None)
+    return env
+
+
+def _run(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
+    if check and proc.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def copy_project(dest: Path) -> Path:
+    """git ls-files + untracked non-ignored files of the project, without data/models/metrics/... or dvc.lock."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        if rel.startswith(EXCLUDED) or rel == "dvc.lock" or rel.startswith("tests/faults/") \
+                or not (ROOT / rel).is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    return dest
+
+
+def write_params(repo: Path, overlay: dict) -> None:
+    from ruamel.yaml import YAML
+
+    y = YAML()
+    params = y.load((repo / "params.yaml").read_text())
+    deep_merge(params, overlay)
+    with open(repo / "params.yaml", "w") as f:
+        y.dump(params, f)
+
+
+def _git_commit(repo: Path, msg: str) -> None:
+    _run(repo, "git", "add", "-A")
+    _run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", msg)
+
+
+def _lock(repo: Path) -> dict:
+    return yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+
+
+@pytest.fixture(scope="module")
+def dag(tmp_path_factory):
+    repo = copy_project(tmp_path_factory.mktemp("dag") / "project")
+    write_params(repo, TINY)
+    _run(repo, "git", "init", "-q")
+    _git_commit(repo, "tiny project")
+    rec = {"repo": repo, "stages": _run(repo, "dvc", "stage", "list", "--name-only").stdout.split()}
+
+    t0 = time.perf_counter()
+    first = _run(repo, "dvc", "repro")
+    rec["repro_seconds"] = time.perf_counter() - t0
+    rec["first_ran"] = RAN.findall(first.stdout)
+    _git_commit(repo, "baseline")
+    rec["lock_baseline"] = _lock(repo)
+
+    rec["second_ran"] = RAN.findall(_run(repo, "dvc", "repro").stdout)
+    rec["status_clean"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+
+    write_params(repo, {"loss": {"lambda_l": 0.2}})                      # by hand, then back
+    rec["status_changed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "git", "checkout", "--", "params.yaml")
+
+    t0 = time.perf_counter()
+    exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "loss.lambda_l=0.2")
+    rec["exp_seconds"] = time.perf_counter() - t0
+    rec["exp_ran"] = RAN.findall(exp.stdout)
+    rec["lock_exp"] = _lock(repo)
+    rec["metrics_diff"] = json.loads(_run(repo, "dvc", "metrics", "diff", "--json", "HEAD").stdout)
+    rec["exp_diff"] = json.loads(_run(repo, "dvc", "exp", "diff", "--json", "HEAD", "l02").stdout)
+    print(f"\n[dag] repro {rec['repro_seconds']:.0f}s, exp run {rec['exp_seconds']:.0f}s")
+    return rec
+
+
+def test_repro_runs_every_stage_and_writes_every_metric(dag):
+    assert sorted(dag["first_ran"]) == sorted(dag["stages"])
+    assert len([s for s in dag["stages"] if s.startswith("train@")]) == 13
+    eval_models = [s.split("@", 1)[1] for s in dag["stages"] if s.startswith("eval@")]
+    for model in eval_models:
+        metrics = json.loads((dag["repo"] / "metrics" / f"{model}.json").read_text())
+        assert metrics["meta"]["model"] == model
+    summary = json.loads((dag["repo"] / "metrics" / "summary.json").read_text())
+    assert summary["missing_models"] == []
+
+
+def test_second_repro_is_a_no_op_and_status_is_clean(dag):
+    assert dag["second_ran"] == []
+    assert dag["status_clean"] == {}
+
+
+def test_changing_lambda_l_marks_exactly_train_fsc_clip(dag):
+    assert list(dag["status_changed"]) == ["train@fsc_clip"]
+    assert "loss.lambda_l" in json.dumps(dag["status_changed"])
+
+
+def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):
+    wanted = {"train@fsc_clip", "eval@fsc_clip", "report"}
+    assert set(dag["exp_ran"]) == wanted
+    before, after = dag["lock_baseline"], dag["lock_exp"]
+    assert before.keys() == after.keys()
+    assert {name for name in before if before[name] != after[name]} == wanted
+    assert after["train@fsc_clip"]["params"]["params.yaml"]["loss.lambda_l"] == 0.2
+
+
+def test_metrics_diff_changes_only_fsc_clip_and_summary(dag):
+    files = {path for path, keys in dag["metrics_diff"].items() if keys}
+    assert files <= {"metrics/fsc_clip.json", "metrics/summary.json"}
+    assert "metrics/fsc_clip.json" in files
+    summary_keys = dag["metrics_diff"].get("metrics/summary.json", {})
+    assert all("fsc_clip" in key for key in summary_keys), sorted(summary_keys)
+    exp_metrics = {path for path, keys in dag["exp_diff"]["metrics"].items() if keys}
+    assert exp_metrics == files
+    assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"loss.lambda_l"}
