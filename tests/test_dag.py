@@ -50,7 +50,7 @@ def _env() -> dict:
 
 
 def _run(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, check=False)
     if check and proc.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
@@ -123,7 +123,9 @@ def dag(tmp_path_factory):
 
 def test_repro_runs_every_stage_and_writes_every_metric(dag):
     assert sorted(dag["first_ran"]) == sorted(dag["stages"])
-    assert len([s for s in dag["stages"] if s.startswith("train@")]) == 13
+    # 12 fine-tuning runs (clip, 5 methods, 5 ablations, custom); 13 evaluated models (those + base)
+    assert len([s for s in dag["stages"] if s.startswith("train@")]) == 12
+    assert len([s for s in dag["stages"] if s.startswith("eval@")]) == 13
     eval_models = [s.split("@", 1)[1] for s in dag["stages"] if s.startswith("eval@")]
     for model in eval_models:
         metrics = json.loads((dag["repo"] / "metrics" / f"{model}.json").read_text())

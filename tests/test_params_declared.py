@@ -153,7 +153,7 @@ def test_each_train_run_reads_every_key_it_declares_and_builds_its_method(declar
     for run, item in _train_runs().items():
         params = StageParams(f"train@{run}", _nest(declared[f"train@{run}"]))
         method_cls = get_method(item["method"])
-        settings, config = stage.run_settings(params, run, item["method"], method_cls)
+        _settings, config = stage.run_settings(params, run, item["method"], method_cls)
         params["model.precision"]
         params.check_all_read()
         method_cls(**config)                        # every flattened key is a constructor argument

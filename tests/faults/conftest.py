@@ -165,19 +165,25 @@ def tiny_project(tmp_path_factory) -> Project:
 
 
 # ------------------------------------------------------------------------------------------ in-process stages
+INPROCESS_STAGES = ("sample", "word_regions", "sentences", "segments", "negatives", "pretrain", "lism", "shards",
+                    "train")
+
+
 @pytest.fixture()
 def inprocess(monkeypatch):
     """run(project, stage, *argv): the stage's own main() in this process, against the project copy."""
     monkeypatch.syspath_prepend(str(REPO / "stages"))
     monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.delenv("DVC_STAGE", raising=False)
+    import _common
+    import stages._common as pkg_common
+
+    # import every stage before anything is patched: `from _common import ROOT` binds at import time
+    modules = {name: importlib.import_module(name) for name in INPROCESS_STAGES}
 
     def run(proj: Project, stage: str, *argv: str):
-        import _common
-        import stages._common as pkg_common
-
         name = stage.split("@")[0]
-        module = importlib.import_module(name)
+        module = modules[name]
         for mod in (_common, pkg_common, module):
             # ROOT and every absolute path derived from it at import time (e.g. sample's OUT) -> the copy:
             # an in-process stage must never write into the repository itself

@@ -1,0 +1,76 @@
+"""The negatives stage (`backend: server`) against a local fake OpenAI-compatible server on 127.0.0.1 (the approach
+of tests/test_negatives_llm.py, reused): malformed / empty / echoed / over-long replies are rejected and counted,
+a slow or unreachable server is a bounded, clear error naming the URL."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from clipfinetune.data.llm_negatives import EndpointError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_negatives_llm import BEHAVIOUR, GOOD, server  # noqa: E402,F401  (the fake server fixture)
+
+pytestmark = pytest.mark.faults
+
+CAPTIONS = "data/sample/annotations/captions_train.json"
+BAD = {mode: cap for cap, mode in BEHAVIOUR.items() if mode in ("badjson", "empty", "echo", "overlong")}
+FILL = 2            # a caption left short of K valid negatives gets one more answer of two types (module docs)
+
+
+def server_project(tiny_project, tmp_path, base_url, captions, timeout=0.6, retries=2):
+    proj = tiny_project.clone(tmp_path / "p", ["data/sample"])
+    caps = json.loads((proj / CAPTIONS).read_text())
+    caps["annotations"] = [{"id": i + 1, "image_id": 1 + i // 5, "caption": c} for i, c in enumerate(captions)]
+    (proj / CAPTIONS).write_text(json.dumps(caps))
+    proj.set_params(negatives={"backend": "server", "base_url": base_url, "model": "fake", "concurrency": 4,
+                               "timeout": timeout, "max_retries": retries, "backoff": 0.01, "max_tokens": 64})
+    return proj
+
+
+def test_bad_llm_replies_are_rejected_and_counted(server, tiny_project, tmp_path, inprocess):
+    base_url = server[0]
+    proj = server_project(tiny_project, tmp_path, base_url, GOOD + list(BAD.values()))
+    inprocess(proj, "negatives")
+    meta = proj.meta("data/prepared/negatives.meta.json")
+    asked = 5 + FILL                                  # five rewrite types, then the fill answers
+    assert meta["rejects"]["malformed_json"] == asked
+    assert meta["rejects"]["empty"] == asked
+    assert meta["rejects"]["unchanged"] >= asked
+    assert meta["rejects"]["over_long"] >= asked
+    rows = pd.read_parquet(proj / "data/prepared/negatives.parquet")
+    assert not rows.caption.isin(list(BAD.values())).any()          # no bad reply became a negative
+    assert rows.caption.isin(GOOD).sum() > 0
+
+
+def test_slow_server_fails_bounded_naming_the_url(server, tiny_project, tmp_path, inprocess):
+    base_url, llm, _, _ = server
+    slow = next(c for c, m in BEHAVIOUR.items() if m == "slow")
+
+    def always_slow(prompt, key):                     # every attempt outlasts the client's timeout
+        import time
+        time.sleep(0.5)
+        return 200, json.dumps({"rewritten": slow})
+
+    llm.reply = always_slow
+    proj = server_project(tiny_project, tmp_path, base_url, [slow], timeout=0.2, retries=1)
+    with pytest.raises(EndpointError) as err:
+        inprocess(proj, "negatives")
+    assert base_url in str(err.value) and "timeout" in str(err.value)
+
+
+def test_unreachable_server_names_the_url(tiny_project, tmp_path, inprocess):
+    with socket.socket() as s:                        # a port on 127.0.0.1 nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}/v1"
+    proj = server_project(tiny_project, tmp_path, base_url, GOOD[:1], timeout=0.3, retries=1)
+    with pytest.raises(EndpointError) as err:
+        inprocess(proj, "negatives")
+    assert base_url in str(err.value)
+    assert not (proj / "data/prepared/negatives.parquet").exists()
