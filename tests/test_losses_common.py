@@ -106,7 +106,7 @@ def test_ddp_two_processes_give_the_gradients_of_one_process_on_the_concatenated
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True,
                            start_method="fork")  # fork: no re-import of torch, well under a second
-        out = torch.load(os.path.join(tmp, "out.pt"))
+        out = torch.load(os.path.join(tmp, "out.pt"), weights_only=True)
     torch.testing.assert_close(out["loss"], loss.detach())
     for k, v in params.items():
         torch.testing.assert_close(out["grads"][k], v.grad, rtol=1e-7, atol=1e-10, msg=k)

@@ -201,6 +201,6 @@ def test_ddp_two_processes_match_one_process_gradients():
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True,
                            start_method="fork")  # fork: no re-import of torch, well under a second
-        grads = torch.load(os.path.join(tmp, "grads.pt"))
+        grads = torch.load(os.path.join(tmp, "grads.pt"), weights_only=True)
     for k in STUDENT:
         torch.testing.assert_close(grads[k], single[k].grad, rtol=1e-7, atol=1e-10, msg=k)
