@@ -89,3 +89,13 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
 def setup_logging(stage: str) -> logging.Logger:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{stage}] %(message)s", datefmt="%H:%M:%S")
     return logging.getLogger(stage)
+
+
+def stage_inputs(stage: str) -> list[str]:
+    """The stage's dvc.yaml deps (code and data) for the checkpoint fingerprint; params.yaml is covered by the
+    declared params themselves."""
+    from dvc.repo import Repo
+
+    with lockfile_skipped(), Repo(str(ROOT)) as repo:
+        (info,) = repo.stage.collect_granular(stage)
+        return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]

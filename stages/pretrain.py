@@ -16,20 +16,10 @@ from __future__ import annotations
 
 import os
 
-from _common import ROOT, setup_logging, stage_params, stage_parser
+from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
 
 CAPTIONS = "data/sample/annotations/captions_train.json"
 IMAGES = "data/sample/images/train"
-
-
-def stage_inputs(stage: str) -> list[str]:
-    """The stage's dvc.yaml deps (code and data) for the checkpoint fingerprint; params.yaml is covered by the
-    declared params themselves."""
-    from dvc.repo import Repo
-
-    with Repo(str(ROOT)) as repo:
-        (info,) = repo.stage.collect_granular(stage)
-        return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
 
 
 def main() -> None:

@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import os
 
-from _common import ROOT, lockfile_skipped, setup_logging, stage_params, stage_parser
+from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
 
 LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
 METHOD_GROUPS = ("loss", "ablations", "custom", "model", "sentences")
-
-
-def stage_inputs(stage: str) -> list[str]:
-    """The stage's dvc.yaml deps (code and data) for the checkpoint fingerprint; params.yaml is covered by the
-    declared params themselves."""
-    from dvc.repo import Repo
-
-    with lockfile_skipped(), Repo(str(ROOT)) as repo:
-        (info,) = repo.stage.collect_granular(stage)
-        return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
 
 
 def method_config(groups: dict, run: str) -> dict:
