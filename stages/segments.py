@@ -11,9 +11,9 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
 import pandas as pd
+from _common import setup_logging, stage_params, stage_parser
 from PIL import Image
 
-from _common import setup_logging, stage_params, stage_parser
 from clipfinetune.data.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
 from clipfinetune.io import InputError, read_jsonlines, write_json, write_parquet
 
@@ -38,7 +38,7 @@ def main() -> None:
     args = stage_parser(__doc__).parse_args()
     params = stage_params(args.stage or "segments")
     log = setup_logging("segments")
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     items = read_docci_images(Path(params["segments.docci"]), Path(params["segments.images"]))
     checkpoint = params["segments.sam_checkpoint"]
     min_area, max_area = params["segments.min_area"], params["segments.max_area"]

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from fixtures.losses import assert_value_and_grads_match, with_grad
 from reference import degla_reference as ref
 
 from clipfinetune.losses.degla import (
@@ -37,10 +38,6 @@ def make_features(seed=0, b=B):
     return f
 
 
-def with_grad(f):
-    return {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v.clone()) for k, v in f.items()}
-
-
 TERMS = {
     "contrastive": (lambda f: hard_negative_contrastive_loss(f["image"], f["text"], f["neg_text"], f["neg_valid"],
                                                              f["logit_scale"]),
@@ -61,17 +58,7 @@ TERMS = {
 @pytest.mark.parametrize("term", list(TERMS))
 def test_term_matches_reference_values_and_student_gradients(term):
     module_fn, ref_fn = TERMS[term]
-    f = make_features(0)
-    fm, fr = with_grad(f), with_grad(f)
-    out_m, out_r = module_fn(fm), ref_fn(fr)
-    torch.testing.assert_close(out_m, out_r, rtol=1e-9, atol=1e-12)
-    out_m.backward()
-    out_r.backward()
-    for k in STUDENT:
-        if fr[k].grad is not None:
-            torch.testing.assert_close(fm[k].grad, fr[k].grad, rtol=1e-7, atol=1e-10, msg=f"grad of {k}")
-        else:
-            assert fm[k].grad is None or fm[k].grad.abs().max() == 0, k
+    assert_value_and_grads_match(module_fn, ref_fn, make_features(0), STUDENT)
 
 
 def test_module_returns_weighted_terms_eq_10():

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.losses import assert_value_and_grads_match, with_grad
 from reference import fsc_clip_reference as ref
 
 from clipfinetune.losses.fsc_clip import (
@@ -39,10 +40,6 @@ def make_features(seed=0, b=B):
     }
 
 
-def with_grad(f):
-    return {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v.clone()) for k, v in f.items()}
-
-
 def module_global(f, gamma=GAMMA, beta=BETA):
     return global_hn_loss(f["image"], f["text"], f["neg_text"], f["neg_valid"], f["logit_scale"], gamma, beta)
 
@@ -59,17 +56,6 @@ def ref_global(f, gamma=GAMMA, beta=BETA):
 def ref_local(f, weighting="minmax", gamma=GAMMA, beta=BETA, detach_weights=True):
     return ref.local_hn_loss(f["patches"], f["tokens"], f["token_mask"], f["neg_valid"], f["logit_scale"],
                              gamma, beta, weighting, detach_weights)
-
-
-def assert_value_and_grads_match(module_fn, ref_fn, f, keys):
-    fm, fr = with_grad(f), with_grad(f)
-    out_m, out_r = module_fn(fm), ref_fn(fr)
-    torch.testing.assert_close(out_m, out_r, rtol=1e-9, atol=1e-12)
-    out_m.backward()
-    out_r.backward()
-    for k in keys:
-        torch.testing.assert_close(fm[k].grad, fr[k].grad, rtol=1e-7, atol=1e-10, msg=f"grad of {k}")
-    return fm
 
 
 def test_global_hn_loss_matches_reference_values_and_gradients():

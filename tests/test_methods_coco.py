@@ -8,39 +8,29 @@ import re
 
 import pytest
 import torch
-from PIL import Image
+from fixtures.methods import (
+    FixedNegativesContext,
+    collate_examples,
+    no_negatives,
+    random_image,
+    shard_record,
+    tiny_model,
+)
 from torch.utils.data import default_collate
 
-from clipfinetune.data.loader import ExampleContext
 from clipfinetune.methods import get_method
-from clipfinetune.models import load_model
 
 W, H = 100, 50                       # original image size; the tiny model's input is 64 x 64
 S = 64
 
 
-class Context(ExampleContext):
-    """The loader's ExampleContext for `model`, with FSC-CLIP's rule negatives replaced by a fixed table (no spaCy)."""
-
-    def __init__(self, model, negatives=None):
-        super().__init__(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
-        self.negatives, self.negative_calls = negatives or {}, []
-
-    def online_negatives(self, caption, rng):
-        self.negative_calls.append((caption, rng))
-        return self.negatives.get(caption, {"negclip": None, "replace": None, "shuffle": None})
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    return load_model("cft-tiny-vit")
+    return tiny_model()
 
 
 def image(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    pixels = (torch.rand(H, W, 3, generator=g) * 255).to(torch.uint8).numpy()
-    return Image.fromarray(pixels)
+    return random_image(seed, W, H)
 
 
 def decode(model, ids):
@@ -49,23 +39,23 @@ def decode(model, ids):
 
 
 def coco_record(i=0):
-    captions = [f"two hippopotamuses beside a red circle number {i}.", f"a blue square above {i} green triangles"]
-    return {"image_id": str(i), "source": "coco", "width": W, "height": H, "captions": captions, "long_caption": "",
-            "word_regions": [{"caption_index": 0, "word": "hippopotamuses", "char_span": [4, 18],
-                              "box": [10, 20, 30, 40], "category": "hippo"}],
-            "sentences": [], "local_pair": [],
-            "negatives": [{"caption_index": 1, "type": "replace_nouns", "texts": ["a blue circle above triangles"]},
-                          {"caption_index": 1, "type": "reshuffle", "texts": ["triangles above a blue square"]},
-                          {"caption_index": 1, "type": "swap_adjectives", "texts": ["a green square above blue"]}]}
+    return shard_record(
+        str(i), "coco", W, H,
+        captions=[f"two hippopotamuses beside a red circle number {i}.",
+                  f"a blue square above {i} green triangles"],
+        word_regions=[{"caption_index": 0, "word": "hippopotamuses", "char_span": [4, 18],
+                       "box": [10, 20, 30, 40], "category": "hippo"}],
+        negatives=[{"caption_index": 1, "type": "replace_nouns", "texts": ["a blue circle above triangles"]},
+                   {"caption_index": 1, "type": "reshuffle", "texts": ["triangles above a blue square"]},
+                   {"caption_index": 1, "type": "swap_adjectives", "texts": ["a green square above blue"]}])
 
 
-DOCCI = {"image_id": "d", "source": "docci", "width": W, "height": H, "captions": [], "long_caption": "long",
-         "word_regions": [], "sentences": [{"text": "long", "char_span": [0, 4]}], "local_pair": [], "negatives": []}
+DOCCI = shard_record("d", "docci", W, H, long_caption="long",
+                     sentences=[{"text": "long", "char_span": [0, 4]}])
 
 
 def batch_of(method, model, ctx, n=4):
-    rng = random.Random(0)
-    return default_collate([method.make_example(coco_record(i), image(i), rng, ctx) for i in range(n)])
+    return collate_examples(method, [coco_record(i) for i in range(n)], ctx)
 
 
 def backward_and_check(model, terms, names):
@@ -78,7 +68,7 @@ def backward_and_check(model, terms, names):
 
 # ------------------------------------------------------------------------------------------------ HarmoCLIP
 def test_harmoclip_example_word_mask_box_and_crop(tiny):
-    method, ctx = get_method("harmoclip")(), Context(tiny)
+    method, ctx = get_method("harmoclip")(), FixedNegativesContext(tiny)
     assert method.wants(coco_record()) and not method.wants(DOCCI)
     ex = method.make_example(coco_record(), image(), random.Random(0), ctx)
     assert decode(tiny, ex["text"][ex["word_mask"]]) == "hippopotamuses"      # a multi-BPE word, all its tokens
@@ -97,7 +87,7 @@ def test_harmoclip_forward_terms_grads_and_frozen_teacher(tiny):
     module = method.build(model)
     module.train()
     assert not module.teacher.training
-    features = module(batch_of(method, model, Context(model)))
+    features = module(batch_of(method, model, FixedNegativesContext(model)))
     assert features["region"].shape == features["region_teacher"].shape == (4, model.embed_dim)
     backward_and_check(model, method.loss()(features), {"contrastive", "lexeme_region", "global_region"})
     assert all(p.grad is None and not p.requires_grad for p in module.teacher.parameters())
@@ -108,7 +98,7 @@ def test_harmoclip_unlocked_vision_layers_freezes_earlier_blocks(tiny):
     method = get_method("harmoclip")(unlocked_vision_layers=1)
     model = copy.deepcopy(tiny)
     module = method.build(model)
-    terms = method.loss()(module(batch_of(method, model, Context(model))))
+    terms = method.loss()(module(batch_of(method, model, FixedNegativesContext(model))))
     sum(terms.values()).backward()
     blocks = model.clip.visual.transformer.resblocks
     for block in blocks[:-1]:
@@ -123,7 +113,8 @@ def test_fsc_clip_example_negatives_and_placeholder(tiny):
     caption = coco_record()["captions"][0]
     negatives = {caption: {"negclip": "two circles beside a red hippopotamuses number 0.", "replace": None,
                            "shuffle": "a red circle two hippopotamuses beside number 0."}}
-    method, ctx = get_method("fsc_clip")(), Context(tiny, negatives)
+    method = get_method("fsc_clip")()
+    ctx = FixedNegativesContext(tiny, lambda c: negatives.get(c, no_negatives(c)))
     assert method.wants(coco_record()) and not method.wants(DOCCI)
     rng = random.Random(3)
     record = dict(coco_record(), captions=[caption])
@@ -140,8 +131,7 @@ def test_fsc_clip_forward_terms_and_grads(tiny):
     model = copy.deepcopy(tiny)
     module = method.build(model)
     caption_negs = {"negclip": "x y z", "replace": "a b", "shuffle": None}
-    ctx = Context(model)
-    ctx.online_negatives = lambda caption, rng: caption_negs
+    ctx = FixedNegativesContext(model, lambda c: caption_negs)
     features = module(batch_of(method, model, ctx))
     b, c, length, d = features["tokens"].shape
     assert (b, c, d) == (4, 4, model.embed_dim) and features["token_mask"].shape == (4, 4, length)
@@ -160,8 +150,7 @@ def test_fsc_clip_global_only_never_computes_token_features(tiny, monkeypatch):
             calls[_name] += 1
             return _original(*args, **kwargs)
         monkeypatch.setattr(model, name, counted)
-    ctx = Context(model)
-    ctx.online_negatives = lambda caption, rng: {"negclip": "x y z", "replace": "a b", "shuffle": "c d"}
+    ctx = FixedNegativesContext(model, lambda c: {"negclip": "x y z", "replace": "a b", "shuffle": "c d"})
     method = get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.0)
     features = method.build(model)(batch_of(method, model, ctx))
     assert calls == {"image_features": 0, "text_features": 0}
@@ -191,7 +180,7 @@ def test_fsc_clip_lora_trains_only_lora_and_merges(tiny):
 
 # ------------------------------------------------------------------------------------------------ DeGLA
 def test_degla_example_picks_a_caption_with_negatives_in_type_order(tiny):
-    method, ctx = get_method("degla")(), Context(tiny)
+    method, ctx = get_method("degla")(), FixedNegativesContext(tiny)
     assert method.wants(coco_record()) and not method.wants(DOCCI)
     assert not method.wants(dict(coco_record(), negatives=[]))
     for seed in range(3):
@@ -210,7 +199,7 @@ def test_degla_forward_teacher_no_grad_and_ema_step(tiny):
     module.train()
     assert not module.teacher.training
     assert any(k.startswith("teacher.") for k in module.state_dict())          # checkpointed with the run
-    features = module(batch_of(method, model, Context(model)))
+    features = module(batch_of(method, model, FixedNegativesContext(model)))
     assert features["neg_text"].shape == features["teacher_neg_text"].shape == (4, 4, model.embed_dim)
     assert not any(features[k].requires_grad for k in ("teacher_image", "teacher_text", "teacher_neg_text"))
     backward_and_check(model, method.loss()(features), {"contrastive", "igc", "tgc", "distill"})
@@ -229,7 +218,7 @@ def test_degla_forward_teacher_no_grad_and_ema_step(tiny):
 def test_degla_without_distill_runs_teacher_on_positives_only(tiny):
     method = get_method("degla")(lambda_distill=0.0)
     model = copy.deepcopy(tiny)
-    features = method.build(model)(batch_of(method, model, Context(model)))
+    features = method.build(model)(batch_of(method, model, FixedNegativesContext(model)))
     assert "teacher_image" not in features and features["teacher_text"].shape == (4, model.embed_dim)
     terms = method.loss()(features)
     assert float(terms["distill"].detach()) == 0.0
@@ -245,8 +234,7 @@ def test_micro_batches_of_different_text_lengths_concatenate(tiny, name):
     method = get_method(name)()
     model = copy.deepcopy(tiny)
     module = method.build(model)
-    ctx = Context(model)
-    ctx.online_negatives = lambda caption, rng: {"negclip": "a b", "replace": None, "shuffle": "c d"}
+    ctx = FixedNegativesContext(model, lambda c: {"negclip": "a b", "replace": None, "shuffle": "c d"})
     short, long = coco_record(0), coco_record(1)
     long["captions"] = [c + " and a very long tail of many more words" * 3 for c in long["captions"]]
     for record in (short, long):

@@ -3,51 +3,39 @@
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
-from PIL import Image
-from torch.utils.data import default_collate
+from fixtures.methods import FixedNegativesContext, collate_examples, shard_record, tiny_model
 
-from clipfinetune.data.loader import ExampleContext
 from clipfinetune.methods import get_method
-from clipfinetune.models import load_model
 
 W, H = 120, 90
-DOCCI = {"image_id": "train_00000", "source": "docci", "width": W, "height": H, "captions": [],
-         "long_caption": "A red circle.", "word_regions": [], "sentences": [{"text": "A red circle.", "char_span": [0, 13]}],
-         "local_pair": [], "negatives": []}
+DOCCI = shard_record("train_00000", "docci", W, H, long_caption="A red circle.",
+                     sentences=[{"text": "A red circle.", "char_span": [0, 13]}])
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    return load_model("cft-tiny-vit")
-
-
-def image(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return Image.fromarray((torch.rand(H, W, 3, generator=g) * 255).to(torch.uint8).numpy())
+    return tiny_model()
 
 
 # ------------------------------------------------------------------------------------------------ custom
-class FixedNegativesContext(ExampleContext):
-    """The real context with FSC-CLIP's rule negatives replaced by fixed ones (no spaCy in a unit test)."""
-
-    def online_negatives(self, caption, rng):
-        words = caption.split()
-        return {"negclip": " ".join(words[::-1]), "replace": caption.replace("red", "blue"), "shuffle": None}
+def reversed_and_recoloured(caption):
+    """Fixed stand-ins for FSC-CLIP's rule negatives (no spaCy in a unit test)."""
+    return {"negclip": " ".join(caption.split()[::-1]), "replace": caption.replace("red", "blue"),
+            "shuffle": None}
 
 
 def coco_record(i):
-    captions = [f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"]
-    return {"image_id": str(i), "source": "coco", "width": W, "height": H, "captions": captions, "long_caption": "",
-            "word_regions": [{"caption_index": 0, "word": "circle", "char_span": [6, 12], "box": [10, 20, 60, 70],
-                              "category": "circle"}],
-            "sentences": [], "local_pair": [],
-            "negatives": [{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
-                          {"caption_index": 1, "type": "reshuffle", "texts": [f"a yellow star above a blue ring {i}"]}]}
+    return shard_record(
+        str(i), "coco", W, H,
+        captions=[f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"],
+        word_regions=[{"caption_index": 0, "word": "circle", "char_span": [6, 12],
+                       "box": [10, 20, 60, 70], "category": "circle"}],
+        negatives=[{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
+                   {"caption_index": 1, "type": "reshuffle",
+                    "texts": [f"a yellow star above a blue ring {i}"]}])
 
 
 def perturb(model):
@@ -64,12 +52,10 @@ def test_custom_equals_weighted_sum_of_each_methods_own_terms(tiny):
     model = copy.deepcopy(tiny)
     module, loss = custom.build(model), custom.loss()
     perturb(model)
-    ctx = FixedNegativesContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
-    rng = random.Random(0)
     records = [coco_record(i) for i in range(4)]
     assert all(custom.wants(r) for r in records)
     assert not custom.wants(dict(records[0], negatives=[])) and not custom.wants(DOCCI)
-    batch = default_collate([custom.make_example(r, image(i), rng, ctx) for i, r in enumerate(records)])
+    batch = collate_examples(custom, records, FixedNegativesContext(model, reversed_and_recoloured))
 
     calls = []
     visual = model.clip.visual

@@ -7,10 +7,10 @@ import socket
 
 import torch
 import torch.multiprocessing as mp
+from test_train_support import TinyClipModel, ToySource, config, fixed_batch
 
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.train import Trainer, cleanup, init_distributed
-from test_train_support import TinyClipModel, ToySource, config, fixed_batch
 
 WORLD, LOCAL_BATCH = 2, 4
 
@@ -49,5 +49,5 @@ def test_ddp_gradients_equal_one_process_on_the_concatenated_batch(tmp_path):
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert got.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {name}")
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {name}")

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train_support import TinyClipModel, ToySource, config, fixed_batch
 
-from clipfinetune.methods import MethodNotImplemented, get_method
 from clipfinetune.methods import METHODS as _METHODS  # noqa: F401  (registry import works without heavy deps)
+from clipfinetune.methods import MethodNotImplemented, get_method
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.train import Trainer, merge_train_settings
 from clipfinetune.train.optim import build_scheduler, parameter_groups
-from test_train_support import TinyClipModel, ToySource, config, fixed_batch
 
 torch.set_num_threads(1)
 

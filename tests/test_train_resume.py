@@ -5,16 +5,16 @@ import csv
 
 import pytest
 import torch
+from test_train_support import TinyClipModel, ToySource, config
 
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.train import CheckpointError, NonFiniteLossError, Trainer, fingerprint, load_checkpoint
 from clipfinetune.train.checkpoint import FORMAT, save_checkpoint
-from test_train_support import TinyClipModel, ToySource, config
 
 torch.set_num_threads(1)
 
 # 40 samples, micro-batches of 4, accum 2 -> 5 optimiser steps per epoch, 15 in all; checkpoints every 4 steps.
-SETTINGS = dict(epochs=3, batch_size=8, accum_steps=2, checkpoint_every=4, lr=2e-3, warmup=3)
+SETTINGS = {"epochs": 3, "batch_size": 8, "accum_steps": 2, "checkpoint_every": 4, "lr": 2e-3, "warmup": 3}
 
 
 def run(tmp_path, name, crash_at=None, fp="run-a", workers=0):    # workers > 0: see the shard-loader test
@@ -161,8 +161,9 @@ class _Crashing:
 
 
 def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(tmp_path):
-    from clipfinetune.data.loader import ExampleContext, ShardLoader
     from test_train_support import CONTEXT, SIZE, VOCAB
+
+    from clipfinetune.data.loader import ExampleContext, ShardLoader
 
     _write_shards(tmp_path / "shards")
 

@@ -77,5 +77,5 @@ def fixed_batch(n=8, epoch=0, seed=0) -> dict:
 
 
 def config(**overrides) -> TrainConfig:
-    base = dict(epochs=1, batch_size=8, lr=1e-3, warmup=0, wd=0.1, grad_clip=1.0, seed=0)
+    base = {"epochs": 1, "batch_size": 8, "lr": 1e-3, "warmup": 0, "wd": 0.1, "grad_clip": 1.0, "seed": 0}
     return TrainConfig(**{**base, **overrides})

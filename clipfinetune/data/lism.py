@@ -65,7 +65,7 @@ def embed_texts(model, texts: list[str], batch_size: int) -> torch.Tensor:
 
 def match_image(model, image, sentences: list[str], boxes: list[tuple], batch_size: int = 64):
     """Candidates (global + crops with background) and per-sentence matches for one PIL image."""
-    crops = [image.crop(tuple(int(round(v)) for v in box)) for box in boxes]
+    crops = [image.crop(tuple(round(v) for v in box)) for box in boxes]
     candidate_emb = embed_images(model, [image, *crops], batch_size)
     sentence_emb = embed_texts(model, sentences, batch_size)
     return match_sentences(sentence_emb, candidate_emb)
@@ -94,7 +94,7 @@ def measure_against_ground_truth(rows, truth: dict, n_images: int, iou_threshold
                  and box_iou(r["box"], truth[(r["image_id"], r["sentence"])]) >= iou_threshold for r in chosen]
     sentence_ok = [r["kind"] == "region" and box_iou(r["box"], truth[(r["image_id"], r["sentence"])]) >= iou_threshold
                    for r in rows if (r["image_id"], r["sentence"]) in truth]
-    pct = lambda xs: round(100.0 * float(np.mean(xs)), 2) if xs else 0.0  # noqa: E731
+    pct = lambda xs: round(100.0 * float(np.mean(xs)), 2) if xs else 0.0
     return {"accuracy": pct(chosen_ok), "coverage": round(100.0 * len(chosen) / max(n_images, 1), 2),
             "sentence_accuracy": pct(sentence_ok), "n_images": n_images, "n_chosen": len(chosen),
             "n_truth_sentences": len(sentence_ok)}

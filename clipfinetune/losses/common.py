@@ -6,8 +6,13 @@ all-gather (torch's functional `all_gather_single_autograd`, the successor of th
 this is exactly the gradient of one process on the concatenated batch (tested). With one process it returns
 its inputs unchanged. Every in-batch contrastive term calls it; per-sample terms (hard-negative choices,
 token losses, distillation) stay local.
+
+`weighted_term` is how every loss module weights an optional term: a lambda of 0 gives a graph-connected zero
+and the term (with its inputs) is never computed.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,12 @@ def gather_features(*features: torch.Tensor) -> tuple[torch.Tensor, ...]:
     from torch.distributed._functional_collectives import wait_tensor
 
     return tuple(wait_tensor(all_gather_single_autograd(f.contiguous(), 0, dist.group.WORLD)) for f in features)
+
+
+def weighted_term(weight: float, zero: torch.Tensor, term: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`weight * term()`, or `zero` (a 0 still in the graph) without calling `term` when the weight is 0, so that
+    an ablated term's inputs need not be in the features dict."""
+    return zero if weight == 0 else weight * term()
 
 
 def contrastive_labels(n_local: int, device) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import contrastive_labels, gather_features, world
+from .common import contrastive_labels, gather_features, weighted_term, world
 
 
 def hard_negative_contrastive_loss(image, text, neg_text, neg_valid, logit_scale) -> torch.Tensor:
@@ -124,10 +124,10 @@ class DeglaLoss(nn.Module):
                      if neg_valid is None else neg_valid.bool())
         terms = {"contrastive": hard_negative_contrastive_loss(image, text, neg_text, neg_valid, scale)}
         zero = image.sum() * 0.0
-        terms["igc"] = zero if self.lambda_igc == 0 else self.lambda_igc * image_grounded_contrast_loss(
-            image, text, neg_text, neg_valid, scale)                                  # eq. (10)
-        terms["tgc"] = zero if self.lambda_tgc == 0 else self.lambda_tgc * text_grounded_contrast_loss(
-            text, f["teacher_text"], neg_text, neg_valid, self.tgc_logit_scale)       # eq. (10)
-        terms["distill"] = zero if self.lambda_distill == 0 else self.lambda_distill * self_distillation_loss(
-            image, text, neg_text, f["teacher_image"], f["teacher_text"], f["teacher_neg_text"], neg_valid)
+        terms["igc"] = weighted_term(self.lambda_igc, zero, lambda: image_grounded_contrast_loss(
+            image, text, neg_text, neg_valid, scale))                                 # eq. (10)
+        terms["tgc"] = weighted_term(self.lambda_tgc, zero, lambda: text_grounded_contrast_loss(
+            text, f["teacher_text"], neg_text, neg_valid, self.tgc_logit_scale))      # eq. (10)
+        terms["distill"] = weighted_term(self.lambda_distill, zero, lambda: self_distillation_loss(
+            image, text, neg_text, f["teacher_image"], f["teacher_text"], f["teacher_neg_text"], neg_valid))
         return terms

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss
+from .common import clip_contrastive_loss, weighted_term
 
 LHN_WEIGHTINGS = ("minmax", "sparse", "softmax")
 
@@ -155,10 +155,10 @@ class FscClipLoss(nn.Module):
         scale = f["logit_scale"]
         terms = {"contrastive": clip_contrastive_loss(f["image"], f["text"], scale)}          # eq. (2)
         zero = f["image"].sum() * 0.0
-        terms["global_hn"] = zero if self.lambda_g == 0 else self.lambda_g * global_hn_loss(   # eq. (11)
+        terms["global_hn"] = weighted_term(self.lambda_g, zero, lambda: global_hn_loss(         # eq. (11)
             f["image"], f["text"], f["neg_text"], f["neg_valid"].bool(), scale,
-            self.focal_gamma, self.label_smoothing)
-        terms["local_hn"] = zero if self.lambda_l == 0 else self.lambda_l * local_hn_loss(     # eq. (11)
+            self.focal_gamma, self.label_smoothing))
+        terms["local_hn"] = weighted_term(self.lambda_l, zero, lambda: local_hn_loss(           # eq. (11)
             f["patches"], f["tokens"], f["token_mask"], f["neg_valid"], scale,
-            self.focal_gamma, self.label_smoothing, self.lhn_weighting)
+            self.focal_gamma, self.label_smoothing, self.lhn_weighting))
         return terms

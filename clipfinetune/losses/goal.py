@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss, masked_clip_contrastive_loss
+from .common import clip_contrastive_loss, masked_clip_contrastive_loss, weighted_term
 
 
 def global_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
@@ -114,8 +114,8 @@ class GoalLoss(nn.Module):
         text_valid = local_valid & (span_valid.bool() if span_valid is not None else True)
         self.stats = {"n_local": int(local_valid.sum()), "n_global_only": int((~local_valid).sum()),
                       "n_tsl_text_dropped": int((local_valid & ~text_valid).sum())}
-        terms["local_contrastive"] = zero if self.lambda_local == 0 else self.lambda_local * local_loss(
-            f["local_image"], f["local_text"], logit_scale, local_valid)
+        terms["local_contrastive"] = weighted_term(self.lambda_local, zero, lambda: local_loss(
+            f["local_image"], f["local_text"], logit_scale, local_valid))
         if self.lambda_tsl == 0:
             return dict(terms, tsl_image=zero, tsl_text=zero)
         # L_TSL = MSE(sim(P_hat_l, v_l^cls), 1) + MSE(sim(S_hat_l, t_l^cls), 1)                   # eq. (14)

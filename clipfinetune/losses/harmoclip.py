@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss, masked_clip_contrastive_loss
+from .common import clip_contrastive_loss, masked_clip_contrastive_loss, weighted_term
 
 
 def lexeme_features(text_tokens: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
@@ -113,8 +113,8 @@ class HarmoClipLoss(nn.Module):
             valid = valid & f["pair_valid"].bool()
         self.stats = {"n_pairs": int(valid.sum()), "n_without_pair": int((~valid).sum())}
         category = f["category"] if self.mask_same_category else None
-        terms["lexeme_region"] = zero if self.lambda_lrc == 0 else self.lambda_lrc * lexeme_region_contrastive_loss(
-            f["region"], lexeme_features(f["text_tokens"], word_mask), logit_scale, valid, category)
-        terms["global_region"] = zero if self.lambda_gr == 0 else self.lambda_gr * global_region_alignment_loss(
-            f["region"], f["region_teacher"], valid)
+        terms["lexeme_region"] = weighted_term(self.lambda_lrc, zero, lambda: lexeme_region_contrastive_loss(
+            f["region"], lexeme_features(f["text_tokens"], word_mask), logit_scale, valid, category))
+        terms["global_region"] = weighted_term(self.lambda_gr, zero, lambda: global_region_alignment_loss(
+            f["region"], f["region_teacher"], valid))
         return terms

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import contrastive_labels, gather_features
+from .common import contrastive_labels, gather_features, weighted_term
 from .mulclip_modules import ContrastHead, TokenCalibration
 
 
@@ -211,8 +211,8 @@ class MulClipLoss(nn.Module):
             return dict(terms, word_patch=zero, subcaption_patch=zero)
         v_ref, t_ref, has_text = self.calibrate(f["patches"], f["text_tokens"], f["text_mask"].bool())
         self.stats["n_wpr_skipped"] = int((~has_text).sum())
-        terms["word_patch"] = zero if self.lambda_word == 0 else self.lambda_word * word_patch_reconstruction_loss(
-            v_ref, t_ref, self.heads["word"], has_text)
-        terms["subcaption_patch"] = zero if self.lambda_sub == 0 else self.lambda_sub * (
-            subcaption_aggregated_patch_loss(aggregate_patches(sub, v_ref), sub, sub_valid, self.heads["sub"]))
+        terms["word_patch"] = weighted_term(self.lambda_word, zero, lambda: word_patch_reconstruction_loss(
+            v_ref, t_ref, self.heads["word"], has_text))
+        terms["subcaption_patch"] = weighted_term(self.lambda_sub, zero, lambda: subcaption_aggregated_patch_loss(
+            aggregate_patches(sub, v_ref), sub, sub_valid, self.heads["sub"]))
         return terms

@@ -29,8 +29,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn

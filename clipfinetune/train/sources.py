@@ -10,8 +10,8 @@ minutes, so re-decoding JPEGs every epoch would only burn the CPU the model need
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 

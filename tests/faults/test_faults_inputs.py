@@ -45,6 +45,17 @@ def assert_names(err: InputError, path, record):
     assert str(record) in message, message
 
 
+def assert_stages_fail_naming(inprocess, proj, stages, path, record) -> list[InputError]:
+    """Each stage, run in turn, raises an InputError that names `path` and `record`; returns the errors."""
+    errors = []
+    for stage in stages:
+        with pytest.raises(InputError) as err:
+            inprocess(proj, stage)
+        assert_names(err.value, path, record)
+        errors.append(err.value)
+    return errors
+
+
 def shard_keys(proj):
     keys = set()
     for tar in (proj / "data/shards").glob("*.tar"):
@@ -109,11 +120,10 @@ def test_non_utf8_caption_file_names_file_and_annotation(tiny_project, tmp_path,
     victim["caption"] = "A red MARKER circle."
     raw = json.dumps(caps).encode().replace(b"MARKER", b"\xff\xfe caf\xe9")
     (proj / CAPTIONS).write_bytes(raw)
-    for stage in ("word_regions", "negatives", "shards", "pretrain"):
-        with pytest.raises(InputError) as err:
-            inprocess(proj, stage)
-        assert_names(err.value, CAPTIONS, victim["id"])
-        assert "UTF-8" in str(err.value)
+    errors = assert_stages_fail_naming(inprocess, proj, ("word_regions", "negatives", "shards", "pretrain"),
+                                       CAPTIONS, victim["id"])
+    for err in errors:
+        assert "UTF-8" in str(err)
 
 
 def test_non_utf8_docci_file_names_file_and_example(tiny_project, tmp_path, inprocess):
@@ -123,10 +133,8 @@ def test_non_utf8_docci_file_names_file_and_example(tiny_project, tmp_path, inpr
     recs[2]["description"] = "A MARKER picture."
     raw = "".join(json.dumps(r) + "\n" for r in recs).encode().replace(b"MARKER", b"caf\xe9")
     (proj / DOCCI).write_bytes(raw)
-    for stage in ("sentences", "segments", "lism", "shards"):
-        with pytest.raises(InputError) as err:
-            inprocess(proj, stage)
-        assert_names(err.value, DOCCI, recs[2]["example_id"])
+    assert_stages_fail_naming(inprocess, proj, ("sentences", "segments", "lism", "shards"),
+                              DOCCI, recs[2]["example_id"])
 
 
 # ------------------------------------------------------------------------------------------ boxes, ids
@@ -154,16 +162,12 @@ def test_duplicate_image_ids_are_an_error_naming_file_and_id(tiny_project, tmp_p
     dup = dict(inst["images"][2], file_name="other.jpg")
     inst["images"].append(dup)
     dump(proj, INSTANCES, inst)
-    with pytest.raises(InputError) as err:
-        inprocess(proj, "word_regions")
-    assert_names(err.value, INSTANCES, dup["id"])
+    assert_stages_fail_naming(inprocess, proj, ("word_regions",), INSTANCES, dup["id"])
 
     recs = docci_lines(proj)
     write_docci(proj, [*recs, dict(recs[1], image_file=recs[0]["image_file"])])
-    for stage in ("sentences", "segments", "lism"):
-        with pytest.raises(InputError) as err:
-            inprocess(proj, stage)
-        assert_names(err.value, DOCCI, recs[1]["example_id"])
+    assert_stages_fail_naming(inprocess, proj, ("sentences", "segments", "lism"),
+                              DOCCI, recs[1]["example_id"])
 
 
 # ------------------------------------------------------------------------------------------ long captions
@@ -224,6 +228,5 @@ def test_corrupt_and_missing_images_are_skipped_and_counted(tiny_project, tmp_pa
         assert gone not in keys
     assert sh["samples_train"] + sh["samples_val"] == sh["records"] - 4
 
-    with pytest.raises(InputError) as err:            # pretrain reads the images itself: a clear error
-        inprocess(proj, "pretrain")
-    assert_names(err.value, by_id[ids[0]], ids[0])
+    # pretrain reads the images itself: a clear error
+    assert_stages_fail_naming(inprocess, proj, ("pretrain",), by_id[ids[0]], ids[0])

@@ -14,7 +14,7 @@ import pytest
 from clipfinetune.data.llm_negatives import EndpointError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_negatives_llm import BEHAVIOUR, GOOD, server  # noqa: E402,F401  (the fake server fixture)
+from test_negatives_llm import BEHAVIOUR, GOOD, server  # noqa: F401  (the fake server fixture)
 
 pytestmark = pytest.mark.faults
 
@@ -33,7 +33,7 @@ def server_project(tiny_project, tmp_path, base_url, captions, timeout=0.6, retr
     return proj
 
 
-def test_bad_llm_replies_are_rejected_and_counted(server, tiny_project, tmp_path, inprocess):
+def test_bad_llm_replies_are_rejected_and_counted(server, tiny_project, tmp_path, inprocess):  # noqa: F811
     base_url = server[0]
     proj = server_project(tiny_project, tmp_path, base_url, GOOD + list(BAD.values()))
     inprocess(proj, "negatives")
@@ -48,7 +48,7 @@ def test_bad_llm_replies_are_rejected_and_counted(server, tiny_project, tmp_path
     assert rows.caption.isin(GOOD).sum() > 0
 
 
-def test_slow_server_fails_bounded_naming_the_url(server, tiny_project, tmp_path, inprocess):
+def test_slow_server_fails_bounded_naming_the_url(server, tiny_project, tmp_path, inprocess):  # noqa: F811
     base_url, llm, _, _ = server
     slow = next(c for c, m in BEHAVIOUR.items() if m == "slow")
 
