@@ -91,6 +91,9 @@ def check_weights(key: str, name: str, pretrained: str, root: Path, produced: li
     out: list[Finding] = []
     if pretrained.startswith("local-dir:"):
         folder = pretrained.split(":", 1)[1]
+        if _is_produced(folder, produced):   # e.g. models/base: DVC deletes a stage's outputs before it runs
+            return [Finding(key + ".pretrained", f"{folder} is a pipeline output (DVC removes it before its stage "
+                                                 "runs): keep the weights elsewhere, e.g. datasets/weights/")]
         out += check_path(key + ".pretrained", folder, "dir", root, produced)
         full = Path(folder) if Path(folder).is_absolute() else root / folder
         if full.is_dir() and not (full / "open_clip_config.json").is_file():
@@ -118,6 +121,22 @@ def check_weights(key: str, name: str, pretrained: str, root: Path, produced: li
         out.append(Finding(key + ".pretrained", f"{name}/{pretrained} not in the local cache yet: downloaded on "
                                                 "first use (needs network)", missing=False))
     return out
+
+
+def check_lism_model(name: str, pretrained: str, root: Path, produced: list[str]) -> list[Finding]:
+    """Stage lism depends on `lism.model` as a path (dvc.yaml `${lism.model}`): a folder (an export, or a stage's
+    output such as models/base); an open_clip name would make `dvc repro` fail on a missing dependency."""
+    if not name:
+        return [Finding("lism.model", "empty: the LISM matcher's exported folder is expected")]
+    if (root / name).is_dir() or _is_produced(name, produced):
+        return check_weights("lism.model", name, pretrained, root, produced)
+    if (root / name).exists() or "/" in name:
+        return check_path("lism.model", name, "dir", root, produced)
+    folder = f"datasets/weights/{name}-{pretrained}" if pretrained else f"datasets/weights/{name}"
+    return [Finding("lism.model", f"{name!r} is not a folder, but stage lism depends on lism.model as a path; "
+                                  "export the weights once and name the folder: python -c \"from clipfinetune.models "
+                                  f"import export_model, load_model; export_model(load_model({name!r}, {pretrained!r}), "
+                                  f"{folder!r})\" (then lism.model: {folder}, lism.pretrained: \"\")")]
 
 
 def _weights_cached(name: str, tag: str) -> bool:
@@ -175,8 +194,8 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     found: list[Finding] = []
     found += check_weights("model", str(_get(params, "model.name") or ""), str(_get(params, "model.pretrained") or ""),
                            root, produced)
-    found += check_weights("lism.model", str(_get(params, "lism.model") or ""),
-                           str(_get(params, "lism.pretrained") or ""), root, produced)
+    found += check_lism_model(str(_get(params, "lism.model") or ""), str(_get(params, "lism.pretrained") or ""),
+                              root, produced)
     for key, kind in PATH_PARAMS:
         found += check_path(key, _get(params, key), kind, root, produced)
 

@@ -2,9 +2,9 @@
 
 Writes data/prepared/local_pairs.parquet (every per-sentence match of the train split, `chosen` marking
 the image's training pair), GOAL's joint global+local test list for the test split (data/prepared/global_local/test.json
-with its images), and — on the sample
-world, where the generator knows which object each sentence describes — metrics/lism.json. It never reads
-the instances files; the ground truth is read only to measure.
+with its images), and metrics/lism.json: on the sample world, where the generator knows which object each
+sentence describes, LISM's accuracy against that ground truth; on real data (`lism.ground_truth: ""`) the pair
+counts only. It never reads the instances files; the ground truth is read only to measure.
 """
 from __future__ import annotations
 
@@ -13,15 +13,20 @@ from pathlib import Path
 
 import _common  # noqa: F401
 import pandas as pd
+from _common import setup_logging, stage_params, stage_parser
 from PIL import Image
 
-from _common import setup_logging, stage_params, stage_parser
-from clipfinetune.data.lism import (choose_test_pair, choose_training_pair, match_image,
-                                    measure_against_ground_truth)
+from clipfinetune.data.lism import (
+    choose_test_pair,
+    choose_training_pair,
+    match_image,
+    measure_against_ground_truth,
+)
 from clipfinetune.io import InputError, atomic_path, read_jsonlines, write_json, write_parquet
 
 OUT = Path("data/prepared/local_pairs.parquet")
 TEST_DIR = Path("data/prepared/global_local")
+SPLITS = ("train", "test")  # DOCCI's qual_dev / qual_test are neither trained on nor in the test list (counted)
 
 
 def load_model_for_lism(name: str, pretrained: str):
@@ -59,10 +64,13 @@ def main() -> None:
     by_image = {k: g.sort_values("sentence_index") for k, g in sentences.groupby("image_id")}
     boxes_of = {k: [tuple(r) for r in g[["x0", "y0", "x1", "y1"]].itertuples(index=False)]
                 for k, g in segments.groupby("image_id")}
-    train_rows, test_items, skipped = [], [], []
+    train_rows, test_items, skipped, other_splits = [], [], [], {}
     with atomic_path(TEST_DIR, is_dir=True) as test_dir:
         for image_id in sorted(docci):
             rec = docci[image_id]
+            if _split(rec) not in SPLITS:
+                other_splits[_split(rec)] = other_splits.get(_split(rec), 0) + 1
+                continue
             if image_id not in by_image:
                 skipped.append({"image_id": image_id, "reason": "no sentences"})
                 continue
@@ -77,7 +85,7 @@ def main() -> None:
             boxes = boxes_of.get(image_id, [])
             matches = match_image(model, image, texts, boxes, batch_size)
             full = (0.0, 0.0, float(image.width), float(image.height))
-            if rec.get("split") == "test":
+            if _split(rec) == "test":
                 test_items.append(_test_entry(image, image_id, rec, texts, boxes, matches, test_dir))
                 continue
             chosen = choose_training_pair(matches)
@@ -93,21 +101,29 @@ def main() -> None:
 
     frame = pd.DataFrame(train_rows)
     write_parquet(OUT, frame)
-    n_train = sum(1 for r in docci.values() if r.get("split") != "test")
+    n_train = sum(1 for r in docci.values() if _split(r) == "train")
+    train_skipped = sum(1 for s in skipped if _split(docci[s["image_id"]]) == "train")
     meta = {"model": params["lism.model"], "n_train_images": n_train, "n_test_images": len(test_items),
             "n_pairs": int(frame["chosen"].sum()) if len(frame) else 0,
-            "global_wins": n_train - len(skipped) - (int(frame["chosen"].sum()) if len(frame) else 0),
-            "skipped": skipped}
+            "global_wins": n_train - train_skipped - (int(frame["chosen"].sum()) if len(frame) else 0),
+            "skipped": skipped, "other_splits": other_splits}
     write_json(OUT.with_name("local_pairs.meta.json"), meta)
     truth_path = params["lism.ground_truth"]
     if truth_path and Path(truth_path).exists():
         truth = _read_truth(Path(truth_path), docci, by_image)
         rows = [{**r, "box": (r["x0"], r["y0"], r["x1"], r["y1"])} for r in train_rows]
         scores = measure_against_ground_truth(rows, truth, n_train)
-        write_json("metrics/lism.json", {"lism": scores})
         log.info("LISM vs ground truth: %s", scores)
+    else:  # real data: nothing to measure against; the metrics file (a DVC output) holds the counts
+        scores = {"n_images": n_train, "n_pairs": meta["n_pairs"], "global_wins": meta["global_wins"]}
+        log.info("no lism.ground_truth: LISM not measured (real data)")
+    write_json("metrics/lism.json", {"lism": scores})
     log.info("%s", {k: v for k, v in meta.items() if k != "skipped"})
     params.check_all_read()
+
+
+def _split(rec: dict) -> str:
+    return str(rec.get("split", "train"))     # a record without a split (e.g. a custom file) is training data
 
 
 def _test_entry(image, image_id, rec, texts, boxes, matches, test_dir: Path):
@@ -120,7 +136,7 @@ def _test_entry(image, image_id, rec, texts, boxes, matches, test_dir: Path):
     seg_dir = test_dir / "segments" / f"{stem}.jpg_results"
     seg_dir.mkdir(parents=True, exist_ok=True)
     if best.candidate:
-        crop = image.crop(tuple(int(round(v)) for v in boxes[best.candidate - 1]))
+        crop = image.crop(tuple(round(v) for v in boxes[best.candidate - 1]))
         local_name = f"segments/{stem}.jpg_results/{stem}_max_{best.candidate}.png"
         crop.save(test_dir / local_name)
     else:  # the global image won: the local item is the image itself, as in GOAL's shipped list

@@ -6,7 +6,9 @@ shards: they need LISM pairs, and LISM on the sample world uses this model).
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
-dvclive/pretrain/skipped.json records why.
+dvclive/pretrain/ holds only skipped.json, which records why (a from-scratch run removes that note again). The
+weights themselves are not a DVC dependency (the param is): after changing a file or folder in place, run
+`dvc repro -f pretrain`.
 
 Resumable: checkpoints/pretrain/last.pt (gitignored, not a DVC out) carries a fingerprint of the declared params,
 the stage's inputs and code; a killed run re-run with the same fingerprint resumes, anything else starts over.
@@ -15,6 +17,7 @@ Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain`.
 from __future__ import annotations
 
 import os
+import shutil
 
 from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
 
@@ -37,6 +40,7 @@ def main() -> None:
         log.info("model.pretrained=%r: exporting these weights unchanged to %s (no pretraining)", pretrained, out)
         if int(os.environ.get("RANK", "0")) == 0:          # under torchrun, one writer
             export_model(load_model(name, pretrained), out)
+            shutil.rmtree(live_dir, ignore_errors=True)    # no curves of an earlier from-scratch run beside the note
             write_json(live_dir / "skipped.json", {"pretrained": pretrained, "model": name,
                                                    "reason": "model.pretrained is set: weights exported unchanged"})
         params.check_all_read()
@@ -50,6 +54,8 @@ def main() -> None:
 
     dist = init_distributed()
     try:
+        if dist.is_main:
+            (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
         cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)

@@ -6,77 +6,20 @@ the tests read what it recorded:
   - changing `loss.lambda_l` makes `dvc status` list exactly `train@fsc_clip`;
   - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
   - `dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
-Run with `pytest -m dag` (several minutes on 2 CPU cores; see TINY for the profile).
+Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
 """
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-
-from clipfinetune.profile import deep_merge
+from fixtures.project import RAN, TINY, copy_project, write_params
+from fixtures.project import run as _run
 
 pytestmark = pytest.mark.dag
-
-ROOT = Path(__file__).resolve().parents[1]
-EXCLUDED = ("data/", "models/", "metrics/", "dvclive/", "checkpoints/", "reports/", ".venv/")
-# The tiny profile: every stage runs, on the smallest world the stages accept, one epoch, no loader workers.
-TINY = {
-    "sample": {"n_train": 48, "n_val": 24, "n_docci_train": 24, "n_docci_test": 12, "n_compositional": 25,
-               "n_zeroshot_per_class": 2},
-    "pretrain": {"epochs": 1, "batch_size": 16, "warmup": 1, "checkpoint_every": 0},
-    "train": {"epochs": 1, "batch_size": 16, "warmup": 1, "workers": 0, "checkpoint_every": 0},
-    "lism": {"batch_size": 32},
-    "eval": {"batch_size": 64, "threads": 1},
-}
-RAN = re.compile(r"Running stage '([^']+)'")
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["DVC_NO_ANALYTICS"] = "1"
-    env.pop("DVC_STAGE", None)
-    env.pop("DVC_ROOT", None)
-    return env
-
-
-def _run(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, check=False)
-    if check and proc.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def copy_project(dest: Path) -> Path:
-    """git ls-files + untracked non-ignored files of the project, without data/models/metrics/... or dvc.lock."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        if rel.startswith(EXCLUDED) or rel == "dvc.lock" or rel.startswith("tests/faults/") \
-                or not (ROOT / rel).is_file():
-            continue
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, dest / rel)
-    return dest
-
-
-def write_params(repo: Path, overlay: dict) -> None:
-    from ruamel.yaml import YAML
-
-    y = YAML()
-    params = y.load((repo / "params.yaml").read_text())
-    deep_merge(params, overlay)
-    with open(repo / "params.yaml", "w") as f:
-        y.dump(params, f)
 
 
 def _git_commit(repo: Path, msg: str) -> None:

@@ -6,10 +6,21 @@ import pytest
 import torch
 import yaml
 
-from clipfinetune.data.lism import (SentenceMatch, box_iou, choose_test_pair, choose_training_pair,
-                                    match_sentences, measure_against_ground_truth)
-from clipfinetune.data.segments import (felzenszwalb_masks, filter_segments, mask_to_box, segment_image,
-                                        shard_of)
+from clipfinetune.data.lism import (
+    SentenceMatch,
+    box_iou,
+    choose_test_pair,
+    choose_training_pair,
+    match_sentences,
+    measure_against_ground_truth,
+)
+from clipfinetune.data.segments import (
+    felzenszwalb_masks,
+    filter_segments,
+    mask_to_box,
+    segment_image,
+    shard_of,
+)
 
 
 def _scene(h=64, w=80):
@@ -45,14 +56,33 @@ def test_cpu_segmenter_finds_the_drawn_objects():
 
 
 @pytest.mark.timeout(120)
-def test_sam_path_with_real_sam_without_checkpoint():
-    """A real Sam from sam_model_registry (random weights): thresholds at 0 so that masks do appear."""
+def test_sam_path_with_real_sam_without_checkpoint(monkeypatch):
+    """A real Sam from sam_model_registry (random weights): thresholds at 0 so that masks do appear.
+
+    The registry's vit_b is built for real but on the meta device (layout only: a CPU forward of its 1024-px
+    encoder took ~60 s of the unit suite); the masks come from segment-anything's own `_build_sam` with vit_b's
+    layout shrunk (2 blocks, one windowed and one global, width 64), same prompt encoder, mask decoder, 1024-px
+    input and mask generator. Four points in two batches."""
+    from functools import partial
+
+    from segment_anything import sam_model_registry
+    from segment_anything.build_sam import _build_sam
+    from segment_anything.modeling import Sam
+
     from clipfinetune.data.segments import build_sam, sam_masks_fn
 
+    with torch.device("meta"):
+        vit_b = build_sam("vit_b", checkpoint=None, device="meta")
+    assert isinstance(vit_b, Sam) and not vit_b.training
+    assert len(vit_b.image_encoder.blocks) == 12 and vit_b.image_encoder.patch_embed.proj.out_channels == 768
+
+    monkeypatch.setitem(sam_model_registry, "test_small", partial(
+        _build_sam, encoder_embed_dim=64, encoder_depth=2, encoder_num_heads=2, encoder_global_attn_indexes=[1]))
     torch.manual_seed(0)
-    sam = build_sam("vit_b", checkpoint=None)
-    masks_fn = sam_masks_fn(sam, points_per_side=4, pred_iou_thresh=0.0, stability_score_thresh=0.0,
-                            points_per_batch=16)
+    sam = build_sam("test_small", checkpoint=None)
+    assert isinstance(sam, Sam) and not sam.training
+    masks_fn = sam_masks_fn(sam, points_per_side=2, pred_iou_thresh=0.0, stability_score_thresh=0.0,
+                            points_per_batch=2)
     img = _scene(32, 32)
     masks = masks_fn(img)
     assert len(masks) > 0 and masks[0].shape == (32, 32) and masks[0].dtype == bool
@@ -111,7 +141,54 @@ def test_measurement_counts_iou_and_non_object_sentences():
 
 
 def test_lism_stages_never_read_instances_or_ground_truth_as_deps():
-    stages = yaml.safe_load(open("dvc.yaml"))["stages"]
+    with open("dvc.yaml") as f:
+        stages = yaml.safe_load(f)["stages"]
     for name in ("segments", "lism"):
         deps = " ".join(stages[name]["deps"])
         assert "instances" not in deps and "ground_truth" not in deps
+
+
+def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tmp_path, monkeypatch):
+    """metrics/lism.json is a DVC output of the stage: with `lism.ground_truth: ""` (real data) it holds the
+    pair counts instead of an accuracy, so `dvc repro` finds every output. DOCCI's qual_dev / qual_test records
+    are neither training images nor in the test list (counted)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+    from PIL import Image
+
+    from clipfinetune.models import export_model, load_model
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "stages"))
+    monkeypatch.chdir(tmp_path)
+    import lism as stage
+    from _common import StageParams
+
+    export_model(load_model("cft-tiny-vit"), tmp_path / "matcher")
+    lines = []
+    ids = ("train_00000", "test_00000", "qual_dev_00000", "qual_test_00000")
+    for ex, split in zip(ids, ("train", "test", "qual_dev", "qual_test")):
+        Image.fromarray(_scene()).save(tmp_path / f"{ex}.jpg")
+        lines.append(json.dumps({"example_id": ex, "split": split, "image_file": f"{ex}.jpg",
+                                 "description": "A red box. A blue square."}))
+    (tmp_path / "docci.jsonlines").write_text("\n".join(lines) + "\n")
+    pd.DataFrame([{"image_id": ex, "sentence_index": k, "text": t} for ex in ids
+                  for k, t in enumerate(("A red box.", "A blue square."))]).to_parquet(tmp_path / "sentences.parquet")
+    pd.DataFrame([{"image_id": ex, "segment_id": 0, "x0": 10.0, "y0": 5.0, "x1": 30.0, "y1": 21.0, "area_frac": 0.06}
+                  for ex in ids]).to_parquet(tmp_path / "segments.parquet")
+    params = StageParams("lism", {"lism": {
+        "model": "matcher", "pretrained": "", "docci": "docci.jsonlines", "images": ".",
+        "sentences": "sentences.parquet", "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
+    monkeypatch.setattr(stage, "stage_params", lambda name=None: params)
+    monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism"])
+    stage.main()
+    metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]
+    assert metrics == {"n_images": 1, "n_pairs": metrics["n_pairs"], "global_wins": 1 - metrics["n_pairs"]}
+    assert len(json.loads((tmp_path / "data/prepared/global_local/test.json").read_text())) == 2
+    meta = json.loads((tmp_path / "data/prepared/local_pairs.meta.json").read_text())
+    assert (meta["n_train_images"], meta["n_test_images"]) == (1, 1)
+    assert meta["other_splits"] == {"qual_dev": 1, "qual_test": 1} and not meta["skipped"]
+    assert set(pd.read_parquet(tmp_path / "data/prepared/local_pairs.parquet")["image_id"]) == {"train_00000"}

@@ -1,21 +1,18 @@
 """The real-data profile (params.real.yaml), `clipfinetune.profile apply` and `clipfinetune.validate`."""
 from __future__ import annotations
 
-import http.server
-import json
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import yaml
-from PIL import Image
+from fixtures import real_tree
+from fixtures.llm import openai_server
 
 from clipfinetune import profile, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "params.real.yaml"
-LLM = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def test_the_real_profile_only_names_keys_params_yaml_has_or_new_benchmark_sets():
@@ -64,70 +61,10 @@ def test_set_args_lists_every_leaf_as_an_override():
 
 
 # ------------------------------------------------------------------------------------- a miniature real tree
-def _img(path: Path, size=(32, 24)):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, (120, 30, 200)).save(path)
-
-
-def _json(path: Path, obj):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj))
-
-
-def _miniature(root: Path) -> None:
-    d = root / "datasets"
-    images = [{"id": 1, "file_name": "000000000001.jpg", "width": 32, "height": 24}]
-    cats = [{"id": 1, "name": "dog", "supercategory": "animal"}]
-    for split in ("train2017", "val2017"):
-        _img(d / "coco" / split / "000000000001.jpg")
-    _json(d / "coco/annotations/instances_train2017.json", {"images": images, "categories": cats, "annotations": [
-        {"id": 1, "image_id": 1, "category_id": 1, "bbox": [2, 2, 10, 10], "area": 100, "iscrowd": 0}]})
-    _json(d / "coco/annotations/captions_train2017.json", {"images": images, "annotations": [
-        {"id": 1, "image_id": 1, "caption": "a dog on grass"}]})
-    _json(d / "coco/annotations/instances_val2017_ovcoco.json", {"images": images, "categories": cats,
-                                                                "annotations": [{"id": 1, "image_id": 1, "category_id": 1,
-                                                                                 "bbox": [2, 2, 10, 10], "area": 100,
-                                                                                 "iscrowd": 0}]})
-    _img(d / "docci/images/train_00001.jpg")
-    (d / "docci/docci_descriptions.jsonlines").write_text(json.dumps(
-        {"example_id": "train_00001", "split": "train", "image_file": "train_00001.jpg",
-         "description": "A dog. It sits on grass."}) + "\n")
-    _img(d / "coco/val2014/COCO_val2014_000000000001.jpg")
-    _json(d / "karpathy/dataset_coco.json", {"images": [{"filepath": "val2014", "filename":
-                                                         "COCO_val2014_000000000001.jpg", "split": "test",
-                                                         "sentences": [{"raw": "a dog"}]}]})
-    _img(d / "flickr30k/flickr30k-images/1.jpg")
-    _json(d / "karpathy/dataset_flickr30k.json", {"images": [{"filename": "1.jpg", "split": "test",
-                                                              "sentences": [{"raw": "a dog"}]}]})
-    (d / "dci").mkdir(parents=True)
-    (d / "Urban1k/image").mkdir(parents=True)
-    (d / "Urban1k/caption").mkdir(parents=True)
-    _json(d / "sugarcrepe/replace_obj.json", {"0": {"filename": "000000000001.jpg", "caption": "a dog",
-                                                    "negative_caption": "a cat"}})
-    _json(d / "aro/visual_genome_relation.json", [])
-    (d / "aro/images").mkdir(parents=True)
-    _json(d / "aro/coco_karpathy_test.json", [{"image": "val2014/COCO_val2014_000000000001.jpg",
-                                               "caption": ["a dog"]}])
-    (d / "weights").mkdir(parents=True)
-
-
 @pytest.fixture(scope="module")
 def llm_server():
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"object": "list", "data": [{"id": LLM, "object": "model"}]}).encode()
-            self.send_response(200 if self.path == "/v1/models" else 404)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
+    with openai_server(reply=lambda prompt: "") as (base_url, _):
+        yield base_url
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +78,7 @@ def real_project(tmp_path_factory, llm_server):
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
     shutil.copy(ROOT / "params.yaml", root / "params.yaml")
     Repo.init(str(root), no_scm=True)
-    _miniature(root)
+    real_tree.build(root)
     export_model(load_model("cft-tiny-vit"), root / "weights" / "tiny")
     profile.apply(REAL, root / "params.yaml")
     with open(root / "params.yaml") as f:
@@ -186,3 +123,34 @@ def test_a_missing_path_weight_or_endpoint_is_named(real_project, capsys):
     (real_project / "bad.yaml").write_text(yaml.safe_dump(params))
     assert validate.main(["--params", str(real_project / "bad.yaml"), "--timeout", "1"]) == 1
     assert "MISSING  sentences.docci" in capsys.readouterr().out
+
+
+def test_an_open_clip_name_as_lism_model_or_a_pipeline_output_as_pretrained_is_named(real_project):
+    params = yaml.safe_load((real_project / "params.yaml").read_text())
+    produced = validate.produced_paths(real_project)
+    params["lism"].update(model="ViT-L-14-336", pretrained="openai")     # a DVC dep of stage lism: not a path
+    params["model"]["pretrained"] = "local-dir:models/base"              # pretrain's own output
+    found = {f.key: f.message for f in validate.check(params, real_project, timeout=2, produced=produced) if f.missing}
+    assert "export_model(load_model('ViT-L-14-336', 'openai'), 'datasets/weights/ViT-L-14-336-openai')" \
+        in found["lism.model"]
+    assert "pipeline output" in found["model.pretrained"]
+    params["lism"]["model"] = "datasets/weights/ViT-L-14-336-openai"     # the profile's folder, not exported here
+    found = {f.key: f.message for f in validate.check(params, real_project, timeout=2, produced=produced) if f.missing}
+    assert "ViT-L-14-336-openai does not exist" in found["lism.model"]
+
+
+def test_every_input_path_a_data_stage_reads_is_its_dvc_dependency(real_project):
+    """With the real profile applied, a stage's input files are its deps (DVC re-runs it when they change, and
+    no sample-world path remains a dep of a stage that reads a real one)."""
+    from dvc.repo import Repo
+
+    params = yaml.safe_load((real_project / "params.yaml").read_text())
+    with Repo(str(real_project)) as repo:
+        deps = {s.name: {d.def_path for d in s.deps} for s in repo.index.stages}
+    for key, _ in validate.PATH_PARAMS:
+        if key == "lism.ground_truth":                # measurement only, never a dep (tests/test_lism.py)
+            continue
+        stage, leaf = key.split(".")
+        assert params[stage][leaf] in deps[stage], (key, sorted(deps[stage]))
+    assert params["lism"]["model"] in deps["lism"]
+    assert not any(d.startswith("data/sample") for d in deps["negatives"])

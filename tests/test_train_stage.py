@@ -119,3 +119,34 @@ def test_caption_source_splits_each_global_batch_between_ranks(tmp_path):
     single = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=3)
     for a, b, whole in zip(ranks[0].batches(0), ranks[1].batches(0), single.batches(0)):
         assert torch.equal(torch.cat([a["text"], b["text"]]), whole["text"])
+
+
+# ------------------------------------------------------------------------------------------ pretrain, real weights
+def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_note(tmp_path, monkeypatch):
+    """`model.pretrained: local-dir:<folder>` (the real profile's stand-in for ViT-B-16/openai): models/base is
+    that folder's weights, nothing trains, and dvclive/pretrain holds only skipped.json (no stale curves)."""
+    from safetensors.torch import load_file
+
+    from clipfinetune.models import export_model, load_model
+
+    spec = importlib.util.spec_from_file_location("stage_pretrain", ROOT / "stages" / "pretrain.py")
+    pretrain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain)
+    monkeypatch.setattr(pretrain, "ROOT", tmp_path)                 # never the repository's models/base
+    export_model(load_model("cft-tiny-vit"), tmp_path / "weights")
+    stale = tmp_path / "dvclive" / "pretrain" / "plots" / "metrics" / "loss.tsv"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("step\tloss\n0\t4.2\n")
+    params = StageParams("pretrain", {
+        "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "precision": "bf16"},
+        "pretrain": {"epochs": 1, "batch_size": 2, "lr": 1e-3, "warmup": 1, "wd": 0.1, "grad_clip": 1.0,
+                     "checkpoint_every": 0, "seed": 0}})
+    monkeypatch.setattr(pretrain, "stage_params", lambda name=None: params)
+    monkeypatch.setattr(sys, "argv", ["stages/pretrain.py", "--stage", "pretrain"])
+    pretrain.main()
+    given = load_file(tmp_path / "weights" / "open_clip_model.safetensors")
+    base = load_file(tmp_path / "models" / "base" / "open_clip_model.safetensors")
+    assert given.keys() == base.keys() and all(given[k].equal(base[k]) for k in given)
+    live = tmp_path / "dvclive" / "pretrain"
+    assert [p.name for p in live.iterdir()] == ["skipped.json"]
+    assert json.loads((live / "skipped.json").read_text())["pretrained"] == f"local-dir:{tmp_path / 'weights'}"
