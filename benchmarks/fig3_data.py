@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .common import ROOT, SHARDS, WORK, Row, median
+from .common import SHARDS, WORK, Row, median
 
 COCO_CATEGORIES = [
     "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
@@ -102,7 +102,7 @@ def caption(rng: random.Random, counts: Counter) -> str:
 
 # ------------------------------------------------------------------------------------------ word_regions
 def word_regions_bench(log=print) -> Row:
-    from clipfinetune.data import coco as cocoio
+    from clipfinetune.data.coco import load_json
     from clipfinetune.data.word_regions import build_word_regions
     from clipfinetune.io import write_parquet
 
@@ -117,7 +117,7 @@ def word_regions_bench(log=print) -> Row:
 
     cpu0 = cpu()
     t0 = time.perf_counter()
-    instances, captions = cocoio.load_json(inst_p), cocoio.load_json(cap_p)
+    instances, captions = load_json(inst_p), load_json(cap_p)      # as the stage reads them
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     frame, meta = build_word_regions(instances, captions, instances_path=inst_p, captions_path=cap_p)
@@ -135,9 +135,10 @@ def word_regions_bench(log=print) -> Row:
                 "captions_per_s": n / wall, "captions_per_s_build_only": n / t_build, "load_json_s": t_load,
                 "build_s": t_build, "write_parquet_s": t_write, "cpu_s_all_processes": cpu_s, "rows": meta["rows"],
                 "captions_matched": meta["captions_matched"]},
-               ["in process: benchmarks.fig3_data.synth_coco(benchmarks/_work/coco_synth) (untimed), then "
-                "clipfinetune.data.coco.load_json x2 + clipfinetune.data.word_regions.build_word_regions(...) "
-                "(lemmatizer=lookup, instance_rule=largest, default processes) + io.write_parquet"])
+               [("in process: benchmarks.fig3_data.synth_coco(benchmarks/_work/coco_synth) (untimed), then "
+                "clipfinetune.data.coco.load_json x2 + "
+                "clipfinetune.data.word_regions.build_word_regions(...) "
+                "(lemmatizer=lookup, instance_rule=largest, default processes) + io.write_parquet")])
 
 
 # ------------------------------------------------------------------------------------------ sentences
@@ -178,14 +179,14 @@ def sentences_bench(n: int = 600, log=print) -> Row:
     recs = synth_long_captions(n)
     words = sum(len(r["long_caption"].split()) for r in recs) / n
     t0 = time.perf_counter()
-    frame, meta = split_sentences(recs)
+    _frame, meta = split_sentences(recs)
     dt = time.perf_counter() - t0
     log(f"  fig3 sentences: {n} long captions ({words:.0f} words avg) in {dt:.2f} s")
     return Row("3 sentences stage (long captions/s)", n / dt, None, None, "info", None, "captions/s",
                {"captions": n, "mean_words": words, "seconds": dt, "sentences": meta["rows"],
                 "docci_15k_estimate_s": 15000 / (n / dt)},
-               [f"in process: clipfinetune.data.sentences.split_sentences(benchmarks.fig3_data.synth_long_captions({n}))"
-                " after one warm-up call (spaCy load untimed)"])
+               [(f"in process: clipfinetune.data.sentences.split_sentences(benchmarks.fig3_data.synth_long_captions({n}))"
+                " after one warm-up call (spaCy load untimed)")])
 
 
 # ------------------------------------------------------------------------------------------ shard writing
@@ -218,8 +219,8 @@ def shard_write_bench(n: int = 400, log=print) -> Row:
     log(f"  fig3 shards: {n} samples, {mb:.1f} MB in {dt:.2f} s")
     return Row("3 shard writing (MB/s)", mb / dt, None, None, "info", None, "MB/s",
                {"samples": n, "mb": mb, "seconds": dt, "samples_per_s": n / dt},
-               [f"in process: clipfinetune.data.shards.write_shards(<{n} samples of data/shards, images extracted to "
-                "benchmarks/_work/shard_src>, benchmarks/_work/shard_out, maxcount=100, val_fraction=0.05)"])
+               [(f"in process: clipfinetune.data.shards.write_shards(<{n} samples of data/shards, images extracted to "
+                "benchmarks/_work/shard_src>, benchmarks/_work/shard_out, maxcount=100, val_fraction=0.05)")])
 
 
 # ------------------------------------------------------------------------------------------ loader vs consumption
@@ -265,9 +266,9 @@ def loader_bench(model_dir, batch_size: int = 64, workers: int = 2, log=print) -
                loader_sps >= consume, "samples/s",
                {"batch_size": batch_size, "workers": workers, "loader_epoch_rates": rates, "loader_init_s": t_init,
                 "trainer_step_ms": [t * 1e3 for t in times]},
-               ["in process: ShardLoader(data/shards, 'train', clip, batch_size=64, num_workers=2).batches(epoch) "
+               [("in process: ShardLoader(data/shards, 'train', clip, batch_size=64, num_workers=2).batches(epoch) "
                 "timed from the first batch to the end of the epoch (2 epochs, fresh loader each); "
-                "Trainer.train_step on a fixed batch of 64 (8 timed steps after 2 warm-up)"])
+                "Trainer.train_step on a fixed batch of 64 (8 timed steps after 2 warm-up)")])
 
 
 def figure(model_dir, log=print) -> list[Row]:

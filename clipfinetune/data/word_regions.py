@@ -27,11 +27,11 @@ import functools
 import os
 from collections import Counter, defaultdict
 
+import numpy as np
 import pandas as pd
 
-from clipfinetune.boxes import clip_box, xywh_to_xyxy
 from clipfinetune.data import coco as cocoio
-from clipfinetune.io import InputError
+from clipfinetune.data.instance_boxes import boxes_np, boxes_scalar, instances_checked
 
 COLUMNS = ["image_id", "caption_id", "caption_index", "caption", "word", "char_start", "char_end",
            "category", "category_id", "x0", "y0", "x1", "y1"]
@@ -92,13 +92,14 @@ class CategoryMatcher:
             pats.sort(key=lambda p: (-len(p[0]), p[1]))   # longest span first
         strings = _nlp().vocab.strings
         words = {w for pats in self.patterns.values() for pat, _ in pats for w in pat} | set(self.form_to_base)
-        import numpy as np
+        self._key_set = {strings.add(w) for w in words}   # LOWER hashes: the only tokens the lookup path looks at
+        self._chunks: dict[str, tuple | bool] = {}   # space-free chunk -> (n tokens, kept tokens) | False
+        # a special case holding a space could re-join tokens across chunks (English has none)
+        self._chunkable = not any(" " in r.strip() for r in tok.rules)
 
-        # LOWER hashes of every word a pattern uses: the only tokens the lookup path looks at
-        self._key_array = np.array(sorted(strings.add(w) for w in words), dtype=np.uint64)
-
-    def match(self, tokens: list[tuple[str, str, int, int]], allowed: set[int]):
-        """tokens: (lower, lemma, char_start, char_end). Yields (category_id, char_start, char_end)."""
+    def match(self, tokens: list[tuple[str, str, int, int]], allowed):
+        """tokens: (lower, lemma, char_start, char_end); allowed: container of category ids.
+        Yields (category_id, char_start, char_end)."""
         i, n = 0, len(tokens)
         while i < n:
             low, lem = tokens[i][0], tokens[i][1]
@@ -126,32 +127,57 @@ class CategoryMatcher:
         low, lem = tokens[i + len(pat) - 1][:2]
         return pat[-1] in (low, lem)
 
-    def lookup_tokens_joined(self, texts: list[str]) -> list[list[tuple[str, str, int, int]]]:
-        """Tokens of each text that can take part in a match, from ONE tokenizer call on the texts
-        joined by newlines (spaCy's tokenizer splits on whitespace first, so tokens never cross texts;
-        one Doc per 1,000 captions instead of one each is what makes COCO scale take seconds).
-        Non-adjacent kept tokens are separated by a blank token so they never form a multi-word span."""
-        import numpy as np
+    def text_tokens(self, text: str) -> list[tuple[str, str, int, int]]:
+        """Tokens of `text` (spaCy's tokenizer on the whole text) that can take part in a match; non-adjacent
+        ones are separated by a blank token so they never form a multi-word span. The reference for
+        `caption_tokens`, and its fallback."""
         from spacy.attrs import IDX, LENGTH, LOWER
 
-        starts, pos = [], 0
-        for t in texts:
-            starts.append(pos)
-            pos += len(t) + 1
-        doc = _nlp().tokenizer("\n".join(t.replace("\n", " ") for t in texts))
-        arr = doc.to_array([LOWER, IDX, LENGTH])
-        hit = np.flatnonzero(np.isin(arr[:, 0], self._key_array))
-        owner = np.searchsorted(np.asarray(starts), arr[hit, 1], side="right") - 1
-        out: list[list] = [[] for _ in texts]
-        strings, f2b, prev = doc.vocab.strings, self.form_to_base, {}
-        for i, c in zip(hit.tolist(), owner.tolist()):
-            low = strings[int(arr[i, 0])]
-            s = int(arr[i, 1]) - starts[c]
-            if c in prev and prev[c] != i - 1:
-                out[c].append(("", "", -1, -1))
-            out[c].append((low, f2b.get(low, low), s, s + int(arr[i, 2])))
-            prev[c] = i
+        doc, out, prev = _nlp().tokenizer(text.replace("\n", " ")), [], None
+        for i, (h, s, n) in enumerate(doc.to_array([LOWER, IDX, LENGTH]).tolist()):
+            if h in self._key_set:
+                if prev is not None and prev != i - 1:
+                    out.append(("", "", -1, -1))
+                low = doc.vocab.strings[h]
+                out.append((low, self.form_to_base.get(low, low), s, s + n))
+                prev = i
         return out
+
+    def caption_tokens(self, text: str) -> list[tuple[str, str, int, int]]:
+        """`text_tokens(text)` from a per-chunk cache. spaCy's tokenizer splits on whitespace
+        first and tokenizes each chunk on its own (its own cache is keyed by the chunk), so a caption's tokens
+        are its space-separated chunks' tokens; the ~10^4 distinct chunks of COCO are tokenized once each
+        instead of ~6M tokens going through spaCy and Python again per caption. Identical to `text_tokens`
+        on whitespace-normalised text (as `captions_by_image` gives); anything else takes `text_tokens`."""
+        if not self._chunkable:
+            return self.text_tokens(text)
+        out, cache, prev, n, at = [], self._chunks, -2, 0, 0
+        for chunk in text.split(" "):
+            info = cache.get(chunk)
+            if info is None:
+                info = cache[chunk] = self._chunk_tokens(chunk)
+            if info is False:       # not whitespace-normalised: the reference path
+                return self.text_tokens(text)
+            ntok, kept = info
+            for ti, low, base, s, e in kept:
+                if out and prev != n + ti - 1:
+                    out.append(("", "", -1, -1))
+                out.append((low, base, at + s, at + e))
+                prev = n + ti
+            n += ntok
+            at += len(chunk) + 1
+        return out
+
+    def _chunk_tokens(self, chunk: str):
+        """(n tokens, kept tokens as (index, lower, base, start, end)) of a space-free chunk; False if not one."""
+        from spacy.attrs import IDX, LENGTH, LOWER
+
+        if chunk.split() != [chunk]:
+            return False
+        doc, strings, f2b = _nlp().tokenizer(chunk), _nlp().vocab.strings, self.form_to_base
+        kept = [(ti, strings[h], f2b.get(strings[h], strings[h]), idx, idx + length)
+                for ti, (h, idx, length) in enumerate(doc.to_array([LOWER, IDX, LENGTH]).tolist()) if h in self._key_set]
+        return len(doc), tuple(kept)
 
     @staticmethod
     def spacy_tokens(doc) -> list[tuple[str, str, int, int]]:
@@ -160,63 +186,39 @@ class CategoryMatcher:
                 for t in doc]
 
 
-def _chosen_boxes(anns: list[dict], img: dict, rule: str, counts: Counter) -> dict[int, list[list[float]]]:
-    """category id -> the box(es) the instance rule picks, xyxy clipped to the image."""
-    by_cat: dict[int, list[tuple[float, int, list[float]]]] = defaultdict(list)
-    for a in anns:
-        if a.get("iscrowd", 0):
-            counts["crowd_instances_ignored"] += 1
-            continue
-        box = clip_box(xywh_to_xyxy(a["bbox"]), (img["width"], img["height"]))
-        if box is None:
-            counts["degenerate_boxes_skipped"] += 1
-            continue
-        by_cat[a["category_id"]].append(((box[2] - box[0]) * (box[3] - box[1]), a["id"], box))
-    out = {}
-    for cid, cands in by_cat.items():
-        if rule == "largest":
-            out[cid] = [min(cands, key=lambda c: (-c[0], c[1]))[2]]
-        elif rule == "first":
-            out[cid] = [min(cands, key=lambda c: c[1])[2]]
-        else:
-            out[cid] = [c[2] for c in sorted(cands, key=lambda c: c[1])]
-    return out
-
-
 PARALLEL_MIN_CAPTIONS = 20000   # below this, one process (forking costs more than it saves)
-_CTX = None   # (matcher, boxes, names, lemmatizer, batch_size) while build_word_regions runs (fork workers)
+_CTX = None   # (matcher, boxes by image, category index, caption image ids, texts, lemmatizer, batch_size) for workers
 
 
-def _match_chunk(flat):
-    matcher, boxes, names, lemmatizer, batch_size = _CTX
-    texts = [f[3] for f in flat]
-    if lemmatizer == "lookup":
-        tokens = [t for i in range(0, len(texts), 1000) for t in matcher.lookup_tokens_joined(texts[i:i + 1000])]
-    else:
-        tokens = (matcher.spacy_tokens(d) for d in _nlp().pipe(texts, batch_size=batch_size))
-    rows, counts, matched_images = [], Counter(), set()
-    for (image_id, k, caption_id, text), toks in zip(flat, tokens):
-        chosen = boxes.get(image_id)
+def _match_range(lo_hi):
+    """Captions lo..hi-1 -> int64 [n, 5] rows (caption position, category index, char start, char end, box row),
+    Counter. Workers read everything from the forked _CTX: only two ints go in, small arrays come back."""
+    matcher, img_boxes, cat_index, cap_img, texts, lemmatizer, batch_size = _CTX
+    lo, hi = lo_hi
+    docs = iter(_nlp().pipe(texts[lo:hi], batch_size=batch_size)) if lemmatizer == "spacy" else None
+    rows, counts = [], Counter()
+    for p in range(lo, hi):
+        toks = matcher.spacy_tokens(next(docs)) if docs is not None else None
+        chosen = img_boxes.get(cap_img[p])
         if chosen is None:
             counts["captions_dropped_image_not_in_instances"] += 1
             continue
+        if toks is None:
+            toks = matcher.caption_tokens(texts[p]) if chosen else ()   # no candidate box: nothing can match
         seen, n_rows = set(), 0
-        for cid, s, e in matcher.match(toks, set(chosen)):
+        for cid, s, e in matcher.match(toks, chosen):
             if cid in seen:
                 counts["repeated_mentions_dropped"] += 1
                 continue
             seen.add(cid)
-            for box in chosen[cid]:
-                rows.append((image_id, caption_id, k, text, text[s:e], s, e, names[cid], cid, *box))
+            for b in chosen[cid]:
+                rows.append((p, cat_index[cid], s, e, b))
                 n_rows += 1
-        if n_rows:
-            counts["captions_matched"] += 1
-            matched_images.add(image_id)
-        else:
-            counts["captions_dropped_no_match"] += 1
-    return rows, counts, matched_images
+        counts["captions_matched" if n_rows else "captions_dropped_no_match"] += 1
+    return np.array(rows, dtype=np.int64).reshape(-1, 5), counts
 
 
+@cocoio.gc_paused()
 def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lookup",
                        instance_rule: str = "largest", aliases: dict[str, list[str]] | None = None,
                        instances_path="<instances>", captions_path="<captions>", batch_size: int = 2000,
@@ -232,46 +234,50 @@ def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lo
         raise ValueError(f"instance_rule must be one of {INSTANCE_RULES}, got {instance_rule!r}")
     names = cocoio.categories(instances, instances_path)
     images = cocoio.images_by_id(instances, instances_path)
-    anns = cocoio.instances_by_image(instances, instances_path)
-    for image_id, lst in anns.items():
-        if image_id not in images:
-            raise InputError(instances_path, lst[0]["id"], f"annotation of unknown image {image_id}")
-        for a in lst:
-            if a["category_id"] not in names:
-                raise InputError(instances_path, a["id"], f"unknown category_id {a['category_id']}")
     counts: Counter = Counter()
-    caps = cocoio.captions_by_image(captions, captions_path, counts)
-    boxes = {i: _chosen_boxes(anns.get(i, []), images[i], instance_rule, counts) for i in images}
+    chosen = boxes_np(instances, images, names, instance_rule, counts)
+    anns = instances_checked(instances, images, names, instances_path) if chosen is None else None
+    caps = cocoio.captions_by_image(captions, captions_path, counts)   # after the instance checks, as always
+    boxes, img_boxes = chosen or boxes_scalar(anns, images, instance_rule, counts)
     matcher = CategoryMatcher(names, aliases)
 
-    flat = [(image_id, k, cid, text) for image_id, lst in caps.items() for k, (cid, text) in enumerate(lst)]
-    counts["captions"] = len(flat)
+    cap_img = [i for i, lst in caps.items() for _ in lst]
+    cap_k = [k for lst in caps.values() for k in range(len(lst))]
+    cap_id = [c for lst in caps.values() for c, _ in lst]
+    texts = [t for lst in caps.values() for _, t in lst]
+    counts["captions"] = len(texts)
     counts["images_with_captions"] = len(caps)
+    cat_ids = list(names)
     global _CTX
-    _CTX = (matcher, boxes, names, lemmatizer, batch_size)
+    _CTX = (matcher, img_boxes, {c: j for j, c in enumerate(cat_ids)}, cap_img, texts, lemmatizer, batch_size)
     try:
-        n_proc = max(1, min(processes or os.cpu_count() or 1, 8)) if len(flat) >= PARALLEL_MIN_CAPTIONS else 1
-        step = max(1, -(-len(flat) // (n_proc * 8)))
-        chunks = [flat[i:i + step] for i in range(0, len(flat), step)]
+        n_proc = max(1, min(processes or os.cpu_count() or 1, 8)) if len(texts) >= PARALLEL_MIN_CAPTIONS else 1
+        step = max(1, -(-len(texts) // (n_proc * 8)))
+        ranges = [(i, min(i + step, len(texts))) for i in range(0, len(texts), step)]
         if n_proc > 1:
             import multiprocessing as mp
 
             with mp.get_context("fork").Pool(n_proc) as pool:
-                results = pool.map(_match_chunk, chunks, chunksize=1)   # ordered: deterministic output
+                results = pool.map(_match_range, ranges, chunksize=1)   # ordered: deterministic output
         else:
-            results = [_match_chunk(c) for c in chunks]
+            results = [_match_range(r) for r in ranges]
     finally:
         _CTX = None
-    rows, matched_images = [], set()
-    for r, c, m in results:
-        rows.extend(r)
+    for _, c in results:
         counts.update(c)
-        matched_images.update(m)
-    frame = pd.DataFrame(rows, columns=COLUMNS)
+    pos, ci, s, e, b = np.concatenate([r for r, _ in results] or [np.zeros((0, 5), np.int64)]).T
+    plist, slist, elist = pos.tolist(), s.tolist(), e.tolist()
+    # columns of the same Python objects row tuples would hold: the same dtype inference (no rows: as before)
+    frame = pd.DataFrame([], columns=COLUMNS) if not plist else pd.DataFrame({
+        "image_id": [cap_img[p] for p in plist], "caption_id": [cap_id[p] for p in plist],
+        "caption_index": [cap_k[p] for p in plist], "caption": [texts[p] for p in plist],
+        "word": [texts[p][i:j] for p, i, j in zip(plist, slist, elist)], "char_start": s, "char_end": e,
+        "category": [names[cat_ids[c]] for c in ci.tolist()], "category_id": [cat_ids[c] for c in ci.tolist()],
+        **{k: boxes[b, j] for j, k in enumerate(("x0", "y0", "x1", "y1"))}}, columns=COLUMNS)
     frame = frame.astype({"image_id": "int64", "caption_id": "int64", "caption_index": "int32",
                           "char_start": "int32", "char_end": "int32", "category_id": "int32",
                           "x0": "float32", "y0": "float32", "x1": "float32", "y1": "float32"})
-    meta = {"rows": len(frame), "images_matched": len(matched_images), "lemmatizer": lemmatizer,
+    meta = {"rows": len(frame), "images_matched": len({cap_img[p] for p in set(plist)}), "lemmatizer": lemmatizer,
             "instance_rule": instance_rule, "categories": len(names), **dict(sorted(counts.items()))}
     for key in ("captions_dropped_no_match", "captions_matched", "repeated_mentions_dropped",
                 "crowd_instances_ignored", "degenerate_boxes_skipped", "captions_dropped_image_not_in_instances",
