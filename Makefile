@@ -13,15 +13,23 @@ STAMP := $(VENV)/.installed
 run: setup
 	source $(BIN)/activate && dvc repro && dvc metrics show
 
-test: setup
-	source $(BIN)/activate && python -m pytest tests
+# Two pytest-xdist workers (2 cores). loadgroup keeps each group on one worker so expensive fixtures are built
+# once: tests/faults/ is one group (its session fixture), every other module its own group; the DAG and fault
+# groups start first and the unit modules fill the other worker meanwhile (tests/conftest.py).
+XDIST := -n 2 --dist loadgroup
 
+test: setup
+	source $(BIN)/activate && python -m pytest tests $(XDIST)
+
+# serial: on 2 cores two workers are slower here (each collects and warms torch/spaCy/WordNet on its own)
 test-unit: setup
 	source $(BIN)/activate && python -m pytest tests -m "not dag and not faults"
 
+# the end-to-end modules side by side (one module-scoped `dvc repro` each)
 test-dag: setup
-	source $(BIN)/activate && python -m pytest tests -m dag
+	source $(BIN)/activate && python -m pytest tests -m dag $(XDIST)
 
+# one group (a single session fixture): a second worker would only idle
 test-faults: setup
 	source $(BIN)/activate && python -m pytest tests -m faults
 

@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 from . import __name__ as _pkg  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from .common import ROOT, WORK, Row
@@ -27,14 +28,39 @@ def table(rows: list[Row]) -> str:
              "-" if r.ratio is None else f"{r.ratio:.2f}", r.goal,
              {True: "PASS", False: "FAIL", None: "info"}[r.passed]] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def write_results(path: Path, run: dict) -> None:
+    """results.json keeps the newest measurement of each figure: a run's rows replace the older runs' rows of the
+    figures it measured; older runs keep their other rows with their own date, command and machine."""
+    runs = []
+    if path.is_file():
+        old = json.loads(path.read_text())
+        runs = old.get("runs", [old] if "rows" in old else [])
+    mine = set(run["figures"])
+    kept = []
+    for r in runs:
+        r["rows"] = [row for row in r.get("rows", []) if figure_of(row) not in mine]
+        if r["rows"]:
+            r["figures"] = sorted({figure_of(row) for row in r["rows"]})
+            kept.append(r)
+    runs = kept + [run]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"runs": runs}, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def figure_of(row: dict) -> str:
+    return row["figure"].split()[0]           # "2 goal time-ratio ..." -> "2"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     ap.add_argument("--only", default="1,2,3", help="comma-separated figures to run (default 1,2,3; 4 needs --dag)")
     ap.add_argument("--dag", action="store_true", help="also run figure 4: `dvc repro` from scratch in a tmp copy")
+    ap.add_argument("--keep", action="store_true", help="figure 4: keep the DAG's tmp copy (to run experiments in it)")
     ap.add_argument("--pairs", type=int, default=3, help="figure 1: interleaved ours/open_clip run pairs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results.json"))
     args = ap.parse_args(argv)
@@ -68,21 +94,20 @@ def main(argv=None) -> int:
     if "4" in figures:
         from . import fig4_dag
         log("figure 4: whole DAG from scratch")
-        rows += fig4_dag.figure(log=log)
+        rows += fig4_dag.figure(keep=args.keep, log=log)
     text = table(rows)
     print(text)
     load = os.getloadavg()
-    result = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "nice -n 19 python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "loadavg_at_end": load},
-              "model": {"path": str(model_dir), "note": model_note}, "wall_s": time.perf_counter() - t_start,
-              "table": text, "rows": [r.as_dict() for r in rows]}
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2, default=str)
-    os.replace(args.out + ".tmp", args.out)
-    log(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    run = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": "nice -n 19 python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+           "figures": sorted(figures),
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "loadavg_at_end": load},
+           "model": {"path": str(model_dir), "note": model_note}, "wall_s": time.perf_counter() - t_start,
+           "table": text, "rows": [r.as_dict() for r in rows]}
+    write_results(Path(args.out), run)
+    log(f"wrote {args.out} ({run['wall_s']:.0f} s)")
     return 0 if all(r.passed is not False for r in rows) else 1
 
 

@@ -61,7 +61,7 @@ def run(cmd: list[str], *, timeout: float = 900, cwd: Path = ROOT) -> tuple[int,
     """Run a command niced to 19; returns (returncode, stdout+stderr, wall seconds)."""
     full = ["nice", "-n", "19", *cmd]
     t0 = time.perf_counter()
-    p = subprocess.run(full, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    p = subprocess.run(full, check=False, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=timeout)
     return p.returncode, p.stdout, time.perf_counter() - t0
 

