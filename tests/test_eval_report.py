@@ -144,6 +144,7 @@ def test_report_renders_from_tiny_files_with_only_base_and_clip(tmp_path):
     assert "| harmoclip | box_cls_beats_clip | harmoclip > clip | – | – | – | – | missing |" in md
     text = report.render_text(s)
     assert "Claims (12 missing)" in text and "box_cls_beats_clip" in text and "(+" not in text
+    assert "ret_i2t_r1" in text and "gl_i2t_map10" not in text     # a column no model has is left out
     json.dumps(s)                                  # serialisable as the DVC metrics file
 
 

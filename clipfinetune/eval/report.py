@@ -98,7 +98,8 @@ class Claim:
         if self.side == "<drop":
             return f"{self.method} drop < {self.baseline} drop (vs {self.reference})"
         if self.side == "kept":
-            return f"{self.method} >= {self.baseline} - {self.margin:g}"
+            return f"{self.method} >= {self.baseline} - {self.margin:g}" if self.margin else \
+                f"{self.method} >= {self.baseline} (margin 0)"
         return f"{self.method} > {self.baseline}"
 
     @property
@@ -277,8 +278,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render_text(summary: dict) -> str:
-    """The terminal view `make run` ends with: headline values (no deltas) and the claims with CIs."""
-    labels = list(next(iter(summary["headline"].values()), {}))
+    """The terminal view `make run` ends with: headline values (no deltas; columns no model has are left out)
+    and the claims with CIs."""
+    rows = summary["headline"].values()
+    labels = [lbl for lbl in next(iter(rows), {}) if any(row.get(lbl) is not None for row in rows)]
     head = _table(["model"] + labels, [[m] + [_fmt(row[lbl]) for lbl in labels] for m, row in summary["headline"].items()])
     claim = _table(["method", "claim", "rule", "value", "baseline", "diff", "95% CI", "verdict"], claim_rows(summary))
     counts = {v: sum(r[-1] == v for r in claim_rows(summary)) for v in VERDICTS}
