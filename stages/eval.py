@@ -13,8 +13,8 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from _common import setup_logging, stage_params, stage_parser
 
-from clipfinetune.eval.suite import evaluate_model
 from clipfinetune.eval.items import to_frame
+from clipfinetune.eval.suite import evaluate_model
 from clipfinetune.io import write_json, write_parquet
 
 

@@ -25,7 +25,7 @@ from clipfinetune.io import atomic_path, write_json
 
 
 def dvc(*args: str) -> str:
-    proc = subprocess.run(["dvc", *args], capture_output=True, text=True)
+    proc = subprocess.run(["dvc", *args], capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"dvc {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout

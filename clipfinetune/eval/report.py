@@ -111,7 +111,7 @@ def claim_specs(s: str = "sample") -> dict[str, dict[str, Claim]]:
     ret, sc = f"retrieval.{s}.i2t_r1", f"compositionality.sugarcrepe.{s}.mean"
     long_t2i = f"long_retrieval.{s}.t2i_r1"
     long_mean = f"mean(long_retrieval.{s}.t2i_r1,long_retrieval.{s}.i2t_r1)"
-    kept = dict(side="kept", margin=RETRIEVAL_MARGIN)
+    kept = {"side": "kept", "margin": RETRIEVAL_MARGIN}
     return {
         "harmoclip": {"box_cls_beats_clip": Claim("harmoclip", f"box_cls.{s}.top1", "clip"),
                       "retrieval_kept": Claim("harmoclip", ret, "clip", **kept)},
