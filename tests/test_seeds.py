@@ -1,10 +1,10 @@
-"""Seed aggregation (clipfinetune/eval/seeds.py) on synthetic `dvc exp show --json` output: no training."""
+"""Seed aggregation (clipfinetune/seeds.py) on synthetic `dvc exp show --json` output: no training."""
 import json
 import math
 
 import pytest
 
-from clipfinetune.eval import seeds
+from clipfinetune import seeds
 
 
 def summary(value, baseline, verdict, ret):
