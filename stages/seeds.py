@@ -52,8 +52,9 @@ def main() -> None:
         clashing = [n for n in names if n in existing]
         if clashing:                  # re-running the command replaces the previous seed experiments
             dvc("exp", "remove", *clashing)
-        # dvc.lock (uncommitted after a fresh `make run`) goes along, so unchanged stages are not re-run
-        copy = ["-C", "dvc.lock"] if Path("dvc.lock").is_file() else []
+        # dvc.lock and the uncached metrics files (uncommitted after a fresh `make run`) go along, so the
+        # experiment sees the unchanged stages as up to date instead of re-running or restoring them
+        copy = [arg for path in ("dvc.lock", "metrics") if Path(path).exists() for arg in ("-C", path)]
         for seed, name in zip(seeds, names):
             dvc("exp", "run", "--queue", "-n", name, "-S", f"train.seed={seed}", *copy)
         dvc("queue", "start", "-j", str(args.jobs))
