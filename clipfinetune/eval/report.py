@@ -189,7 +189,7 @@ def check_claim(claim: Claim, metrics: dict, parts: dict, n_resamples: int = RES
     if abs(ci["estimate"] - out["difference"]) > 1e-6:
         raise ValueError(f"claim {claim.rule}: per-item outcomes give {ci['estimate']:.6f}, the metrics files "
                          f"{out['difference']:.6f} (stale items or metrics file?)")
-    out.update(ci_low=ci["low"], ci_high=ci["high"], n_resamples=n_resamples)
+    out.update(ci_low=ci["low"], ci_high=ci["high"])
     both_high = min(raw[claim.method], raw[claim.baseline]) >= SATURATION
     out["verdict"] = "saturated" if both_high else verdict(ci["low"], ci["high"], claim.side, claim.margin)
     return out
