@@ -57,11 +57,11 @@ def main() -> None:
         copy = [arg for path in ("dvc.lock", "metrics") if Path(path).exists() for arg in ("-C", path)]
         for seed, name in zip(seeds, names):
             dvc("exp", "run", "--queue", "-n", name, "-S", f"train.seed={seed}", *copy)
-        dvc("queue", "start", "-j", str(args.jobs))
         t0 = time.perf_counter()
+        dvc("queue", "start", "-j", str(args.jobs))
         while queue_busy():
             time.sleep(args.poll)
-        print(f"queue finished in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        print(f"{len(names)} experiments ran in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     summaries = summaries_from_exp_show(json.loads(dvc("exp", "show", "--json")), names)
     missing = [n for n in names if n not in summaries]
     if not summaries:
