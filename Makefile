@@ -8,10 +8,17 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit test-dag test-faults setup system-deps lint bench clean-venv
+.PHONY: run seeds test test-unit test-dag test-faults setup system-deps lint bench clean-venv
 
+# ends with the summary table and the claims with their CIs (reports/summary.md has the deltas and plots)
 run: setup
-	source $(BIN)/activate && dvc repro && dvc metrics show
+	source $(BIN)/activate && dvc repro && python -m clipfinetune.eval.report metrics/summary.json
+
+# K fine-tuning seeds (train.seed = 0..K-1) through DVC's experiment queue -> reports/seeds.md, metrics/seeds.json
+# (mean ± sd per claim). After `make run` with the baseline committed; see stages/seeds.py.
+K ?= 3
+seeds: setup
+	source $(BIN)/activate && python stages/seeds.py --k $(K)
 
 # Two pytest-xdist workers (2 cores). loadgroup keeps each group on one worker so expensive fixtures are built
 # once: tests/faults/ is one group (its session fixture), every other module its own group; the DAG and fault

@@ -1,4 +1,5 @@
-"""Stage `eval@<model>`: the evaluation suite on models/<model> -> metrics/<model>.json (DVC metrics).
+"""Stage `eval@<model>`: the evaluation suite on models/<model> -> metrics/<model>.json (DVC metrics) and
+metrics/items/<model>.parquet (every query's / box's / test case's outcome, clipfinetune/eval/items.py).
 
 Benchmarks come from `eval.benchmarks` (task -> set -> paths); unconfigured ones are listed under
 "skipped" in the metrics file. Run by hand: python stages/eval.py --model clip [--stage eval@clip].
@@ -12,8 +13,9 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from _common import setup_logging, stage_params, stage_parser
 
+from clipfinetune.eval.items import to_frame
 from clipfinetune.eval.suite import evaluate_model
-from clipfinetune.io import write_json
+from clipfinetune.io import write_json, write_parquet
 
 
 def load_exported(name: str):
@@ -37,13 +39,16 @@ def main() -> None:
     model = load_exported(args.model)
     text_model = load_exported("base") if text_encoder == "base" and args.model != "base" else model
     t0 = time.perf_counter()
+    items: list = []
     metrics = evaluate_model(model, params["eval.benchmarks"], batch_size=params["eval.batch_size"],
                              text_model=text_model, text_encoder=text_encoder, aro_seed=params["eval.aro_seed"],
-                             cache_dir=params["eval.cache_dir"] or None)
+                             cache_dir=params["eval.cache_dir"] or None, items=items)
     metrics["meta"]["model"] = args.model
+    table = to_frame(items)
+    write_parquet(Path("metrics") / "items" / f"{args.model}.parquet", table)
     write_json(Path("metrics") / f"{args.model}.json", metrics)
-    log.info("wrote metrics/%s.json in %.1fs; skipped: %s", args.model, time.perf_counter() - t0,
-             sorted(metrics["skipped"]))
+    log.info("wrote metrics/%s.json and %d item outcomes in %.1fs; skipped: %s", args.model, len(table),
+             time.perf_counter() - t0, sorted(metrics["skipped"]))
     params.check_all_read()
 
 

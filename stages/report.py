@@ -1,6 +1,7 @@
-"""Stage `report`: metrics/<model>.json of every model -> metrics/summary.json (headline table, deltas vs
-base and clip, CLAIMS), reports/summary.md and the trade-off plots in reports/. Models without a metrics
-file are reported as missing, so it also runs by hand mid-development: python stages/report.py --stage report
+"""Stage `report`: metrics/<model>.json and metrics/items/<model>.parquet of every model -> metrics/summary.json
+(headline table, deltas vs base and clip, CLAIMS with paired-bootstrap CIs and verdicts), reports/summary.md and
+the trade-off plots in reports/. Models without a metrics file are reported as missing, so it also runs by hand
+mid-development: python stages/report.py --stage report
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import _common  # noqa: F401
 from _common import setup_logging, stage_params, stage_parser
 
 from clipfinetune.eval.plots import write_plots
-from clipfinetune.eval.report import load_metrics, render_markdown, summarize
+from clipfinetune.eval.report import load_items, load_metrics, render_markdown, summarize
 from clipfinetune.io import atomic_path, write_json
 
 
@@ -19,12 +20,15 @@ def main() -> None:
     params = stage_params(args.stage or "report")
     log = setup_logging("report")
     models = list(params["eval.models"])
-    summary = summarize(load_metrics({m: Path("metrics") / f"{m}.json" for m in models}), params["eval.report.set"])
+    metrics = load_metrics({m: Path("metrics") / f"{m}.json" for m in models})
+    items = load_items({m: Path("metrics") / "items" / f"{m}.parquet" for m in models})
+    summary = summarize(metrics, params["eval.report.set"], items, n_resamples=int(params["eval.report.resamples"]),
+                        seed=int(params["eval.report.seed"]))
     plots = write_plots(summary, "reports")
     write_json("metrics/summary.json", summary)
     with atomic_path("reports/summary.md") as tmp:
         tmp.write_text(render_markdown(summary, plots))
-    held = {f"{m}.{n}": c["holds"] for m, cs in summary["claims"].items() for n, c in cs.items()}
+    held = {f"{m}.{n}": c["verdict"] for m, cs in summary["claims"].items() for n, c in cs.items()}
     log.info("claims: %s; missing models: %s", held, summary["missing_models"])
     params.check_all_read()
 

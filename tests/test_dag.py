@@ -4,6 +4,7 @@ One module-scoped fixture runs `dvc repro` (every stage, all 13 train runs) and 
 the tests read what it recorded:
   - a second `dvc repro` is a no-op and `dvc status` is clean;
   - changing `loss.lambda_l` makes `dvc status` list exactly `train@fsc_clip`;
+  - changing `train.seed` (what `make seeds` varies) marks every train@ run and not pretrain;
   - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
   - `dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
 Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
@@ -14,10 +15,13 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from fixtures.project import RAN, TINY, copy_project, write_params
 from fixtures.project import run as _run
+
+from clipfinetune.eval.items import recompute
 
 pytestmark = pytest.mark.dag
 
@@ -52,6 +56,9 @@ def dag(tmp_path_factory):
     write_params(repo, {"loss": {"lambda_l": 0.2}})                      # by hand, then back
     rec["status_changed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
+    write_params(repo, {"train": {"seed": 7}})
+    rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "git", "checkout", "--", "params.yaml")
 
     t0 = time.perf_counter()
     exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "loss.lambda_l=0.2")
@@ -73,8 +80,17 @@ def test_repro_runs_every_stage_and_writes_every_metric(dag):
     for model in eval_models:
         metrics = json.loads((dag["repo"] / "metrics" / f"{model}.json").read_text())
         assert metrics["meta"]["model"] == model
+        items = pd.read_parquet(dag["repo"] / "metrics" / "items" / f"{model}.parquet")
+        assert recompute(items[items["benchmark"] == "retrieval.sample"], "retrieval.sample.i2t_r1") \
+            == pytest.approx(metrics["retrieval"]["sample"]["i2t_r1"])
     summary = json.loads((dag["repo"] / "metrics" / "summary.json").read_text())
-    assert summary["missing_models"] == []
+    assert summary["missing_models"] == [] and summary["missing_items"] == []
+    claims = [c for cs in summary["claims"].values() for c in cs.values()]
+    assert len(claims) == 12
+    for c in claims:                      # every claim carries its CI and a verdict
+        assert c["verdict"] in {"holds", "contradicted", "inconclusive", "saturated"}, c
+        assert c["ci_low"] <= c["difference"] + 1e-9 and c["difference"] <= c["ci_high"] + 1e-9, c
+    assert "95% CI" in (dag["repo"] / "reports" / "summary.md").read_text()
 
 
 def test_second_repro_is_a_no_op_and_status_is_clean(dag):
@@ -85,6 +101,11 @@ def test_second_repro_is_a_no_op_and_status_is_clean(dag):
 def test_changing_lambda_l_marks_exactly_train_fsc_clip(dag):
     assert list(dag["status_changed"]) == ["train@fsc_clip"]
     assert "loss.lambda_l" in json.dumps(dag["status_changed"])
+
+
+def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
+    # downstream of the runs: their eval@ stages and report (not eval@base); sample, data stages, pretrain untouched
+    assert set(dag["status_seed"]) == {s for s in dag["stages"] if s.startswith("train@")}
 
 
 def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):

@@ -1,72 +1,157 @@
-"""Report: claims logic (holds / fails / saturated / missing) and rendering from tiny metrics files."""
+"""Report: claims with paired-bootstrap CIs and verdicts (holds / contradicted / inconclusive / saturated /
+missing) and rendering, from tiny metrics files and per-item tables built by hand."""
 import json
 
+import numpy as np
 import pytest
 
 from clipfinetune.eval import plots, report
+from clipfinetune.eval.items import Items, to_frame
+
+N = 40
+HALF = np.tile([1.0, 0.0], N // 2)                 # every other item right: 50%
 
 
-def metrics(ret=50.0, t2i=40.0, long_t2i=30.0, long_i2t=20.0, box=60.0, sc=70.0, zs=80.0):
-    return {"retrieval": {"sample": {"i2t_r1": ret, "t2i_r1": t2i}},
-            "long_retrieval": {"sample": {"t2i_r1": long_t2i, "i2t_r1": long_i2t}},
-            "box_cls": {"sample": {"top1": box}},
-            "compositionality": {"sugarcrepe": {"sample": {"mean": sc}}},
-            "zeroshot": {"sample": {"acc1": zs}}, "skipped": {}}
+def model(ret=HALF, t2i=HALF, long_t2i=HALF, long_i2t=HALF, box=HALF, sc=(HALF, HALF[:10]), zs=HALF):
+    """(metrics dict, item table) of a model from per-item outcomes: `ret`/`t2i`/`long_*` 1.0 = rank 1 (hit),
+    0.0 = rank 2; `box`/`zs` top-1 hits; `sc` the hits of two SugarCrepe files (sizes 40 and 10)."""
+    ret, t2i, long_t2i, long_i2t, box, zs = (np.asarray(a, dtype=float) for a in (ret, t2i, long_t2i, long_i2t, box, zs))
+    ids = [f"{i:03d}" for i in range(N)]
+    rows = [("retrieval.sample", Items("i2t", "rank", ids, 2 - ret)),
+            ("retrieval.sample", Items("t2i", "rank", ids, 2 - t2i)),
+            ("long_retrieval.sample", Items("i2t", "rank", ids, 2 - long_i2t)),
+            ("long_retrieval.sample", Items("t2i", "rank", ids, 2 - long_t2i)),
+            ("box_cls.sample", Items("top1", "correct", ids, box, ["0:circle"] * N)),
+            ("zeroshot.sample", Items("top1", "correct", ids, zs, ["0:circle"] * N))]
+    rows += [("compositionality.sugarcrepe.sample", Items(f"file{k}", "correct", ids[:len(s)], s))
+             for k, s in enumerate(sc)]
+    def pct(a):                                     # what the eval stage reports
+        return 100.0 * float(np.mean(a))
+    metrics = {"retrieval": {"sample": {"i2t_r1": pct(ret), "t2i_r1": pct(t2i)}},
+               "long_retrieval": {"sample": {"t2i_r1": pct(long_t2i), "i2t_r1": pct(long_i2t)}},
+               "box_cls": {"sample": {"top1": pct(box)}},
+               "compositionality": {"sugarcrepe": {"sample": {"mean": (pct(sc[0]) + pct(sc[1])) / 2}}},
+               "zeroshot": {"sample": {"acc1": pct(zs)}}, "skipped": {}}
+    return metrics, to_frame(rows)
 
 
-def test_claims_hold_fail_saturate_and_go_missing():
-    models = {"clip": metrics(), "harmoclip": metrics(box=65.0, ret=48.5),    # +5 box, -1.5 retrieval: holds
-              "fsc_clip": metrics(sc=70.0, ret=47.0),                          # equal sugarcrepe; -3 retrieval
-              "fsc_lhn_only": metrics(ret=49.0), "fsc_global_only": metrics(ret=45.0),
-              "goal": metrics(long_t2i=99.5), "goal_global_only": metrics(long_t2i=99.0),
-              "degla": metrics(sc=69.0, zs=81.0), "degla_no_distill": metrics(zs=80.0),
-              "mulclip": metrics(long_t2i=35.0, long_i2t=20.0), "mulclip_global_only": None}
-    c = report.claims(models)
-    assert c["harmoclip"]["box_cls_beats_clip"]["holds"] is True
-    assert c["harmoclip"]["box_cls_beats_clip"]["value"] == 65.0 and c["harmoclip"]["box_cls_beats_clip"]["baseline"] == 60.0
-    assert c["harmoclip"]["retrieval_kept"]["holds"] is True                    # 48.5 >= 50 - 2
-    assert c["fsc_clip"]["sugarcrepe_beats_clip"]["holds"] == "saturated"        # equal values
-    assert c["fsc_clip"]["retrieval_kept"]["holds"] is False                     # 47 < 48
+def claims_of(**models):
+    return report.claims({m: v[0] for m, v in models.items()}, items={m: v[1] for m, v in models.items()})
+
+
+ALL, NONE = np.ones(N), np.zeros(N)
+WORSE_ON_SOME = HALF.copy()
+WORSE_ON_SOME[:8:2] = 0.0                          # 4 of the 20 hits lost: -10 points
+
+
+def test_better_on_every_item_holds_worse_is_contradicted_identical_inconclusive():
+    c = claims_of(clip=model(), harmoclip=model(box=ALL), degla=model(sc=(NONE, NONE[:10])),
+                  fsc_clip=model())
+    box = c["harmoclip"]["box_cls_beats_clip"]
+    assert (box["value"], box["baseline"], box["difference"]) == (100.0, 50.0, 50.0)
+    assert box["ci_low"] > 0 and box["verdict"] == "holds"
+    worse = c["degla"]["sugarcrepe_beats_clip"]
+    assert worse["difference"] == -50.0 and worse["ci_high"] < 0 and worse["verdict"] == "contradicted"
+    same = c["fsc_clip"]["sugarcrepe_beats_clip"]
+    assert (same["difference"], same["ci_low"], same["ci_high"]) == (0.0, 0.0, 0.0)
+    assert same["verdict"] == "inconclusive"
+
+
+def test_kept_claims_use_the_margin():
+    # identical retrieval -> CI [0, 0], inside the 2-point margin -> holds; losing 4 of 40 hits (-10) ->
+    # contradicted; losing 1 of 40 (-2.5: CI reaches below -2 and above it) -> inconclusive
+    one_lost = HALF.copy()
+    one_lost[0] = 0.0
+    c = claims_of(clip=model(), harmoclip=model(box=ALL), fsc_clip=model(ret=WORSE_ON_SOME),
+                  mulclip=model(ret=one_lost))
+    assert c["harmoclip"]["retrieval_kept"]["verdict"] == "holds"
+    fsc = c["fsc_clip"]["retrieval_kept"]
+    assert fsc["difference"] == pytest.approx(-10.0) and fsc["ci_high"] < -2.0 and fsc["verdict"] == "contradicted"
+    mul = c["mulclip"]["retrieval_kept"]
+    assert mul["ci_low"] < -2.0 < mul["ci_high"] and mul["verdict"] == "inconclusive"
+
+
+def test_a_mean_of_files_resamples_each_file_and_recomputes_the_mean():
+    # file 0 (40 cases) identical to clip; file 1 (10 cases) right everywhere instead of every other one:
+    # mean difference = (0 + 50) / 2 = 25; every resample of file 1 keeps 0 <= diff, so CI within [0, 50]
+    c = claims_of(clip=model(), fsc_clip=model(sc=(HALF, ALL[:10])))["fsc_clip"]["sugarcrepe_beats_clip"]
+    assert c["difference"] == pytest.approx(25.0)
+    assert 0.0 < c["ci_low"] < 25.0 < c["ci_high"] <= 50.0 and c["verdict"] == "holds"
+
+
+def test_lhn_claim_is_a_difference_of_differences_on_the_same_resamples():
+    # drop vs clip: lhn_only loses nothing, global_only loses 4 hits (10 points) -> difference -10
+    c = claims_of(clip=model(), fsc_lhn_only=model(), fsc_global_only=model(ret=WORSE_ON_SOME))
     lhn = c["fsc_clip"]["lhn_keeps_retrieval"]
-    assert (lhn["value"], lhn["baseline"], lhn["holds"]) == (1.0, 5.0, True)
-    assert c["goal"]["long_t2i_beats_global_only"]["holds"] == "saturated"       # both >= 99
-    assert c["goal"]["long_t2i_beats_clip"]["holds"] is True
-    assert c["degla"]["sugarcrepe_beats_clip"]["holds"] is False
-    assert c["degla"]["zeroshot_kept_vs_no_distill"]["holds"] is True
-    assert c["mulclip"]["long_r1_beats_clip"]["value"] == pytest.approx(27.5)    # mean(35, 20)
-    assert c["mulclip"]["long_r1_beats_clip"]["baseline"] == pytest.approx(25.0)
-    assert c["mulclip"]["long_r1_beats_clip"]["holds"] is True
-    assert c["mulclip"]["long_r1_beats_global_only"]["holds"] == "missing"       # no metrics file
-    assert c["mulclip"]["retrieval_kept"]["holds"] == "saturated"              # equal to clip
+    assert (lhn["value"], lhn["baseline"], lhn["difference"]) == (0.0, pytest.approx(10.0), pytest.approx(-10.0))
+    assert lhn["ci_high"] < 0 and lhn["verdict"] == "holds"
+    flipped = claims_of(clip=model(), fsc_lhn_only=model(ret=WORSE_ON_SOME), fsc_global_only=model())
+    assert flipped["fsc_clip"]["lhn_keeps_retrieval"]["verdict"] == "contradicted"
 
 
-def test_missing_metric_inside_a_file_is_missing_not_a_crash():
-    m = metrics()
+def test_mean_of_two_long_retrieval_directions():
+    c = claims_of(clip=model(), mulclip=model(long_t2i=ALL))["mulclip"]["long_r1_beats_clip"]
+    assert (c["value"], c["baseline"]) == (75.0, 50.0) and c["verdict"] == "holds"
+
+
+def test_saturated_missing_and_stale_items():
+    c = claims_of(goal=model(long_t2i=ALL), goal_global_only=model(long_t2i=ALL))
+    assert c["goal"]["long_t2i_beats_global_only"]["verdict"] == "saturated"
+    assert c["goal"]["long_t2i_beats_clip"]["verdict"] == "missing"             # no clip at all
+    # metrics present, per-item table absent: values, no CI
+    m, _ = model(box=ALL)
+    c = report.claims({"clip": model()[0], "harmoclip": m}, items={"clip": model()[1], "harmoclip": None})
+    box = c["harmoclip"]["box_cls_beats_clip"]
+    assert box["difference"] == 50.0 and box["ci_low"] is None and box["verdict"] == "missing"
+    # a metric absent from a metrics file
+    m, t = model()
     del m["box_cls"]
-    c = report.claims({"clip": metrics(), "harmoclip": m})
-    assert c["harmoclip"]["box_cls_beats_clip"]["holds"] == "missing"
-    assert c["goal"]["long_t2i_beats_clip"]["holds"] == "missing"
+    assert claims_of(clip=model(), harmoclip=(m, t))["harmoclip"]["box_cls_beats_clip"]["verdict"] == "missing"
+    # items that disagree with the metrics file are an error, not a silent CI
+    m, _ = model(box=ALL)
+    with pytest.raises(ValueError, match="stale"):
+        report.claims({"clip": model()[0], "harmoclip": m}, items={"clip": model()[1], "harmoclip": model()[1]})
 
 
-def test_zeroshot_equal_is_saturated_not_holding():
-    c = report.claims({"degla": metrics(zs=80.0), "degla_no_distill": metrics(zs=80.0)})
-    assert c["degla"]["zeroshot_kept_vs_no_distill"]["holds"] == "saturated"
+def test_verdict_rules():
+    assert report.verdict(0.1, 3.0, ">") == "holds"
+    assert report.verdict(-3.0, -0.1, ">") == "contradicted"
+    assert report.verdict(-0.1, 3.0, ">") == "inconclusive"
+    assert report.verdict(-1.9, 1.0, "kept", 2.0) == "holds"
+    assert report.verdict(-2.1, 1.0, "kept", 2.0) == "inconclusive"
+    assert report.verdict(-5.0, -2.1, "kept", 2.0) == "contradicted"
+    assert report.verdict(-3.0, -0.1, "<drop") == "holds"
+    assert report.verdict(0.1, 3.0, "<drop") == "contradicted"
 
 
-def test_report_renders_from_tiny_metric_files_with_only_base_and_clip(tmp_path):
-    (tmp_path / "base.json").write_text(json.dumps(metrics(ret=40.0)))
-    (tmp_path / "clip.json").write_text(json.dumps(metrics(ret=50.0)))
-    models = report.load_metrics({m: tmp_path / f"{m}.json" for m in ("base", "clip", "harmoclip")})
-    s = report.summarize(models)
-    assert s["missing_models"] == ["harmoclip"]
+def test_report_renders_from_tiny_files_with_only_base_and_clip(tmp_path):
+    from clipfinetune.io import write_parquet
+    for name, (m, t) in {"base": model(ret=NONE), "clip": model()}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(m))
+        write_parquet(tmp_path / f"{name}.parquet", t)
+    names = ("base", "clip", "harmoclip")
+    s = report.summarize(report.load_metrics({m: tmp_path / f"{m}.json" for m in names}), "sample",
+                         report.load_items({m: tmp_path / f"{m}.parquet" for m in names}))
+    assert s["missing_models"] == ["harmoclip"] and s["missing_items"] == []
     assert s["headline"]["clip"]["ret_i2t_r1"] == 50.0 and s["headline"]["clip"]["gl_i2t_map10"] is None
-    assert s["delta_vs_base"]["clip"]["ret_i2t_r1"] == pytest.approx(10.0)
-    assert s["delta_vs_clip"]["base"]["ret_i2t_r1"] == pytest.approx(-10.0)
-    assert s["claims"]["harmoclip"]["box_cls_beats_clip"]["holds"] == "missing"
+    assert s["delta_vs_base"]["clip"]["ret_i2t_r1"] == pytest.approx(50.0)
+    assert s["delta_vs_clip"]["base"]["ret_i2t_r1"] == pytest.approx(-50.0)
+    assert s["claims"]["harmoclip"]["box_cls_beats_clip"]["verdict"] == "missing"
     written = plots.write_plots(s, tmp_path)
     assert len(written) == 3 and all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in written)
     assert [m for m, _, _ in plots.plot_points(s, ("ret_i2t_r1",), ("box_top1",))] == ["base", "clip"]
     md = report.render_markdown(s, written)
-    assert "| clip | 50.0 (+10.0 / –)" in md
-    assert "| harmoclip | box_cls_beats_clip |" in md and "missing" in md
+    assert "| clip | 50.0 (+50.0 / –)" in md
+    assert "| harmoclip | box_cls_beats_clip | harmoclip > clip | – | – | – | – | missing |" in md
+    text = report.render_text(s)
+    assert "Claims (12 missing)" in text and "box_cls_beats_clip" in text and "(+" not in text
+    assert "ret_i2t_r1" in text and "gl_i2t_map10" not in text     # a column no model has is left out
     json.dumps(s)                                  # serialisable as the DVC metrics file
+
+
+def test_other_zeroshot_sets_join_the_headline():
+    m, t = model()
+    m["zeroshot"]["shape"] = {"acc1": 91.0}
+    s = report.summarize({"base": m}, "sample", {"base": t})
+    assert s["headline"]["base"]["zs_shape_acc1"] == 91.0
+    assert "zs_shape_acc1" in report.render_markdown(s)

@@ -134,3 +134,48 @@ def test_winoground_text_image_group(bench):
     # ex0: c1 = (2 e61 + e62)/sqrt5. text: s(c0,i0)=1 > s(c1,i0)=0.894 and s(c1,i1)=0.447 > s(c0,i1)=0 -> ok;
     # image: s(c1,i1)=0.447 > s(c1,i0)=0.894 fails -> image and group fail for ex0; ex1 perfect
     assert (w["text"], w["image"], w["group"]) == (pytest.approx(100.0), pytest.approx(50.0), pytest.approx(50.0))
+
+
+def _recomputed_everywhere(model, bench):
+    """Every aggregate of `model` recomputed from its per-item outcomes, against the metrics dict."""
+    from clipfinetune.eval.items import recompute, to_frame
+    found: list = []
+    m = evaluate_model(model, bench, batch_size=3, items=found)
+    frame = to_frame(found)
+    keys = [(k, v) for k, v in _numbers(m) if not k.startswith(("skipped", "meta")) and v is not None
+            and not k.split(".")[-1].startswith("n_") and k.split(".")[-1] != "n"]
+    assert len(keys) > 30
+    for key, value in keys:
+        assert recompute(frame, key) == pytest.approx(value, abs=1e-9), key
+    return frame
+
+
+def test_items_recompute_every_aggregate_of_an_imperfect_model(bench):
+    # text vectors plus fixed noise per text: some retrieval ranks > 1, some compositional cases wrong
+    import zlib
+
+    import numpy as np
+
+    def text_vec(t):
+        noise = np.random.default_rng(zlib.crc32(t.encode())).standard_normal(world.DIM).astype(np.float32)
+        return world.perfect_text_vec(t) + 0.7 * noise
+    frame = _recomputed_everywhere(FakeModel(world.perfect_image_vec, text_vec, image_size=32), bench)
+    ranks = frame[frame["kind"] == "rank"]["value"]
+    assert ranks.min() >= 1 and (ranks > 1).any()
+    assert set(frame["kind"]) == {"rank", "correct", "ap"}
+    correct = frame[frame["kind"] == "correct"]["value"]
+    assert correct.eq(0).any() and correct.eq(1).any()
+
+
+def test_items_have_unique_stable_ids_that_pair_two_models(bench):
+    frame_a = _recomputed_everywhere(perfect_model(), bench)
+    found: list = []
+    evaluate_model(FakeModel(world.perfect_image_vec, lambda t: world.perfect_text_vec("id101")), bench,
+                   batch_size=3, items=found)
+    from clipfinetune.eval.items import to_frame
+    frame_b = to_frame(found)
+    key = ["benchmark", "part", "item"]
+    assert not frame_a.duplicated(key).any()
+    assert frame_a[key].sort_values(key).reset_index(drop=True).equals(frame_b[key].sort_values(key).reset_index(drop=True))
+    sc = frame_a[frame_a["benchmark"] == "compositionality.sugarcrepe.sample"]
+    assert set(sc["part"]) == {"swap_att", "add_obj"} and sc["value"].eq(1.0).all()

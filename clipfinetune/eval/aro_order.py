@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from clipfinetune.eval.encode import Encoder
+from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.retrieval import RetrievalSet
 
 NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
@@ -132,8 +133,11 @@ def order_correct(scores: np.ndarray) -> np.ndarray:
     return np.argmax(scores, axis=1) == 0
 
 
-def evaluate_order(encoder: Encoder, cases) -> dict:
+def evaluate_order(encoder: Encoder, cases, part: str = "order", items: list | None = None) -> dict:
+    """Items: one per case (id = caption index in the list), under `part`."""
     img = encoder.images([(p, None) for p, _ in cases])
     txt = encoder.texts([o for _, opts in cases for o in opts]).reshape(len(cases), 5, -1)
     scores = (txt @ img[:, :, None])[..., 0].numpy()
-    return {"precision_at_1": 100.0 * float(order_correct(scores).mean()), "n": len(cases)}
+    correct = order_correct(scores)
+    record(items, Items(part, "correct", [f"{j:06d}" for j in range(len(cases))], correct))
+    return {"precision_at_1": 100.0 * float(correct.mean()), "n": len(cases)}

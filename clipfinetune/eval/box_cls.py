@@ -24,6 +24,7 @@ import torch
 
 from clipfinetune.boxes import clip_box, xywh_to_xyxy
 from clipfinetune.eval.encode import Encoder, fill_template, resolve_image
+from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import mean_per_class, topk_hits
 from clipfinetune.io import InputError
 
@@ -156,13 +157,16 @@ def load_box_set(cfg: dict) -> BoxSet:
     raise ValueError(f"box_cls benchmark needs one of instances|panoptic|lvis, got {sorted(cfg)}")
 
 
-def box_metrics(logits, labels, frequency=None) -> dict:
+def box_metrics(logits, labels, frequency=None, hits: dict | None = None) -> dict:
+    """`hits`, when given, receives the per-box hit arrays {"top1": [N] bool, "top5": ...}."""
     labels = np.asarray(labels)
     n_cls = logits.shape[1]
     top1 = topk_hits(logits, labels, 1)
+    hits = {} if hits is None else hits
+    hits["top1"] = top1
     out = {"top1": 100.0 * float(top1.mean()), "macc1": mean_per_class(top1, labels)}
     if n_cls >= 5:
-        top5 = topk_hits(logits, labels, 5)
+        top5 = hits["top5"] = topk_hits(logits, labels, 5)
         out.update(top5=100.0 * float(top5.mean()), macc5=mean_per_class(top5, labels))
     else:
         out.update(top5=None, macc5=None)
@@ -174,8 +178,15 @@ def box_metrics(logits, labels, frequency=None) -> dict:
     return out
 
 
-def evaluate_box_cls(encoder: Encoder, data: BoxSet, text_encoder: Encoder | None = None) -> dict:
-    """Region features from `encoder`'s model; class texts through `text_encoder` (default: the same)."""
+def box_ids(data: BoxSet) -> list[str]:
+    """`<image>#<k>`: the k-th kept box of its image, in annotation order (stable across models)."""
+    return [f"{p}#{k}" for p, b in data.images for k in range(len(b))]
+
+
+def evaluate_box_cls(encoder: Encoder, data: BoxSet, text_encoder: Encoder | None = None,
+                     items: list | None = None) -> dict:
+    """Region features from `encoder`'s model; class texts through `text_encoder` (default: the same).
+    Items: parts top1 / top5 (hit per box), labelled `<class index>:<class name>`."""
     if not data.labels:
         raise ValueError("box classification set has no boxes left after filtering")
     text_encoder = text_encoder or encoder
@@ -183,7 +194,10 @@ def evaluate_box_cls(encoder: Encoder, data: BoxSet, text_encoder: Encoder | Non
     prompts = [class_prompts(c) for c in data.classnames]
     w = _classifier(text_encoder, prompts)
     logits = (feats @ w.T).numpy()
-    out = box_metrics(logits, data.labels, data.frequency)
+    hits: dict = {}
+    out = box_metrics(logits, data.labels, data.frequency, hits)
+    ids, names = box_ids(data), [f"{c}:{data.classnames[c]}" for c in data.labels]
+    record(items, *(Items(part, "correct", ids, h, names) for part, h in hits.items()))
     out.update(n_boxes=len(data.labels), n_classes=len(data.classnames),
                **{f"n_skipped_{k}": v for k, v in data.skipped.items()})
     return out

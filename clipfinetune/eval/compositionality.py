@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from clipfinetune.eval.encode import Encoder, resolve_image
+from clipfinetune.eval.items import Items, record
 from clipfinetune.io import InputError
 
 SUGARCREPE_TASKS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")
@@ -64,7 +65,7 @@ def read_sugarcrepe(directory, images_root) -> dict[str, list[dict]]:
             continue
         recs = []
         for key, r in json.loads(f.read_text()).items():
-            recs.append({"image": resolve_image(r["filename"], images_root, f"{task}:{key}"),
+            recs.append({"id": str(key), "image": resolve_image(r["filename"], images_root, f"{task}:{key}"),
                          "caption": r["caption"], "negative_caption": r["negative_caption"]})
         out[task] = recs
     if not out:
@@ -72,13 +73,16 @@ def read_sugarcrepe(directory, images_root) -> dict[str, list[dict]]:
     return out
 
 
-def evaluate_sugarcrepe(encoder: Encoder, data: dict[str, list[dict]]) -> dict:
+def evaluate_sugarcrepe(encoder: Encoder, data: dict[str, list[dict]], items: list | None = None) -> dict:
+    """Items: one part per file, one item per test case (id = its key in the file)."""
     out = {}
     for task, recs in data.items():
         keys = [(r["image"], None) for r in recs]
         pos = pair_scores(encoder, keys, [r["caption"] for r in recs])
         neg = pair_scores(encoder, keys, [r["negative_caption"] for r in recs])
-        out[task] = 100.0 * float((pos > neg).mean())            # strict: ties wrong (main_eval.py)
+        correct = pos > neg                                      # strict: ties wrong (main_eval.py)
+        record(items, Items(task, "correct", [r.get("id", str(i)) for i, r in enumerate(recs)], correct))
+        out[task] = 100.0 * float(correct.mean())
     out["mean"] = float(np.mean([out[t] for t in data]))
     out["n_tasks"] = len(data)
     return out
@@ -101,30 +105,43 @@ def vg_correct(encoder: Encoder, recs, keys) -> np.ndarray:
     return t > f
 
 
+def macro_groups(groups, exclude=frozenset(), min_count: int = 1) -> list[str]:
+    """Each case's group, or "" when its group is excluded or has fewer than `min_count` cases."""
+    groups = [str(g) for g in groups]
+    counts = {g: groups.count(g) for g in set(groups)}
+    return [g if g not in exclude and counts[g] >= min_count else "" for g in groups]
+
+
 def macro_accuracy(correct, groups, exclude=frozenset(), min_count: int = 1):
     """Mean over groups (not excluded, >= min_count cases) of per-group accuracy, in percent; None if none."""
-    correct, groups = np.asarray(correct, dtype=np.float64), np.asarray(groups, dtype=object)
-    accs = [correct[groups == g].mean() for g in sorted(set(groups.tolist()))
-            if g not in exclude and (groups == g).sum() >= min_count]
+    correct, kept = np.asarray(correct, dtype=np.float64), np.asarray(macro_groups(groups, exclude, min_count))
+    accs = [correct[kept == g].mean() for g in sorted(set(kept.tolist()) - {""})]
     return (100.0 * float(np.mean(accs)) if accs else None), len(accs)
 
 
-def evaluate_vg(encoder: Encoder, directory, images_root, vga_min_count: int = VGA_MIN_COUNT) -> dict:
+def evaluate_vg(encoder: Encoder, directory, images_root, vga_min_count: int = VGA_MIN_COUNT,
+                items: list | None = None) -> dict:
     """VG-R: per-relation accuracy, mean over non-symmetric relations. VG-A: per attribute pair
-    `a0_a1` accuracy, mean over pairs with >= 25 cases. Either file may be absent (-> not reported)."""
+    `a0_a1` accuracy, mean over pairs with >= 25 cases. Either file may be absent (-> not reported).
+    Items: parts vg_relation / vg_attribution (id = index in the file), labelled with the macro group
+    ("" for a case outside the macro average: symmetric relation, rare attribute pair)."""
     out = {}
     rel_f, att_f = Path(directory) / "visual_genome_relation.json", Path(directory) / "visual_genome_attribution.json"
     if rel_f.is_file():
         recs, keys = _vg_cases(rel_f, images_root)
         ok = vg_correct(encoder, recs, keys)
-        out["vg_relation"], out["n_vg_relation_groups"] = macro_accuracy(
-            ok, [r["relation_name"] for r in recs], exclude=ARO_SYMMETRIC_RELATIONS)
+        groups = [r["relation_name"] for r in recs]
+        record(items, Items("vg_relation", "correct", [f"{i:06d}" for i in range(len(recs))], ok,
+                            macro_groups(groups, ARO_SYMMETRIC_RELATIONS)))
+        out["vg_relation"], out["n_vg_relation_groups"] = macro_accuracy(ok, groups, exclude=ARO_SYMMETRIC_RELATIONS)
         out["vg_relation_micro"] = 100.0 * float(ok.mean())
     if att_f.is_file():
         recs, keys = _vg_cases(att_f, images_root)
         ok = vg_correct(encoder, recs, keys)
-        out["vg_attribution"], out["n_vg_attribution_groups"] = macro_accuracy(
-            ok, [f"{r['attributes'][0]}_{r['attributes'][1]}" for r in recs], min_count=vga_min_count)
+        groups = [f"{r['attributes'][0]}_{r['attributes'][1]}" for r in recs]
+        record(items, Items("vg_attribution", "correct", [f"{i:06d}" for i in range(len(recs))], ok,
+                            macro_groups(groups, min_count=vga_min_count)))
+        out["vg_attribution"], out["n_vg_attribution_groups"] = macro_accuracy(ok, groups, min_count=vga_min_count)
         out["vg_attribution_micro"] = 100.0 * float(ok.mean())
     return out
 
@@ -140,7 +157,7 @@ def read_valse(directory, images) -> dict[str, list[dict]]:
             if int((s.get("mturk") or {}).get("caption", 0)) < 2:
                 continue
             root = images.get(f.stem) or images.get(s.get("dataset")) if isinstance(images, dict) else images
-            valid.append({"image": resolve_image(s["image_file"], root, f"{f.stem}:{key}"),
+            valid.append({"id": str(key), "image": resolve_image(s["image_file"], root, f"{f.stem}:{key}"),
                           "caption": s["caption"], "foil": s["foil"]})
         out[f.stem] = valid
     if not out:
@@ -148,7 +165,8 @@ def read_valse(directory, images) -> dict[str, list[dict]]:
     return out
 
 
-def evaluate_valse(encoder: Encoder, data: dict[str, list[dict]]) -> dict:
+def evaluate_valse(encoder: Encoder, data: dict[str, list[dict]], items: list | None = None) -> dict:
+    """Items: one part per piece, one item per valid sample (id = its key in the piece file)."""
     out = {}
     for piece, recs in data.items():
         if not recs:
@@ -157,7 +175,9 @@ def evaluate_valse(encoder: Encoder, data: dict[str, list[dict]]) -> dict:
         keys = [(r["image"], None) for r in recs]
         c = pair_scores(encoder, keys, [r["caption"] for r in recs])
         f = pair_scores(encoder, keys, [r["foil"] for r in recs])
-        out[piece] = 100.0 * float((c > f).mean())               # acc_r, strict
+        correct = c > f                                          # acc_r, strict
+        record(items, Items(piece, "correct", [r.get("id", str(i)) for i, r in enumerate(recs)], correct))
+        out[piece] = 100.0 * float(correct.mean())
     vals = [v for v in out.values() if v is not None]
     out["mean"] = float(np.mean(vals)) if vals else None
     out["n_valid"] = sum(len(r) for r in data.values())
@@ -179,21 +199,24 @@ def read_winoground(directory) -> list[dict]:
         r = json.loads(line)
         imgs = [r.get(f"image_{k}") if isinstance(r.get(f"image_{k}"), str) else f"ex_{r['id']}_img_{k}.png"
                 for k in (0, 1)]
-        out.append({"images": [resolve_image(i, d, r["id"]) for i in imgs],
+        out.append({"id": str(r["id"]), "images": [resolve_image(i, d, r["id"]) for i in imgs],
                     "captions": [r["caption_0"], r["caption_1"]]})
     return out
 
 
-def winoground_scores(s: np.ndarray) -> dict:
-    """s [N, 2 captions, 2 images] -> text/image/group scores in percent (Thrush et al. 2022)."""
+def winoground_correct(s: np.ndarray) -> dict[str, np.ndarray]:
+    """s [N, 2 captions, 2 images] -> per-example text / image / group success (Thrush et al. 2022)."""
     text = (s[:, 0, 0] > s[:, 1, 0]) & (s[:, 1, 1] > s[:, 0, 1])
     image = (s[:, 0, 0] > s[:, 0, 1]) & (s[:, 1, 1] > s[:, 1, 0])
-    return {"text": 100.0 * float(text.mean()), "image": 100.0 * float(image.mean()),
-            "group": 100.0 * float((text & image).mean())}
+    return {"text": text, "image": image, "group": text & image}
 
 
-def evaluate_winoground(encoder: Encoder, data: list[dict]) -> dict:
+def evaluate_winoground(encoder: Encoder, data: list[dict], items: list | None = None) -> dict:
+    """Items: parts text / image / group, one item per example (id = its Winoground id)."""
     img = encoder.images([(p, None) for r in data for p in r["images"]]).reshape(len(data), 2, -1)
     txt = encoder.texts([c for r in data for c in r["captions"]]).reshape(len(data), 2, -1)
     s = torch.einsum("ncd,nid->nci", txt, img).numpy()
-    return {**winoground_scores(s), "n": len(data)}
+    correct = winoground_correct(s)
+    ids = [r.get("id", str(i)) for i, r in enumerate(data)]
+    record(items, *(Items(part, "correct", ids, c) for part, c in correct.items()))
+    return {**{k: 100.0 * float(c.mean()) for k, c in correct.items()}, "n": len(data)}

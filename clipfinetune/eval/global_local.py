@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from clipfinetune.eval.encode import Encoder, resolve_image
+from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import average_precision_at_k
 from clipfinetune.io import InputError
 
@@ -117,24 +118,34 @@ def relevance(records: list[JointRecord], mode: str) -> np.ndarray:
     return linked | same_caption | np.eye(n, dtype=bool)
 
 
-def map_at_k(sims: np.ndarray, records: list[JointRecord], mode: str, k: int = 10) -> dict[str, float]:
-    """sims [R, R] image i x caption j. I2T over all R image queries; T2I over unique captions."""
+def ap_per_query(sims: np.ndarray, records: list[JointRecord], mode: str, k: int = 10):
+    """AP@k of every I2T query (one per record) and every T2I query (one per unique caption, first record
+    carrying it): (i2t [R], t2i [U], t2i query record indices [U])."""
     rel = relevance(records, mode)
-    i2t = average_precision_at_k(sims, rel, k).mean()
+    i2t = average_precision_at_k(sims, rel, k)
     caps = [r.caption for r in records]
     first = list(dict.fromkeys(caps))
     cols = [caps.index(c) for c in first]
     rel_t2i = np.stack([rel[:, j] for j in cols])              # [U, R]: images relevant to caption
-    t2i = average_precision_at_k(sims[:, cols].T, rel_t2i, k).mean()
-    return {"i2t": 100.0 * float(i2t), "t2i": 100.0 * float(t2i)}
+    return i2t, average_precision_at_k(sims[:, cols].T, rel_t2i, k), cols
 
 
-def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int = 10) -> dict[str, float]:
+def map_at_k(sims: np.ndarray, records: list[JointRecord], mode: str, k: int = 10) -> dict[str, float]:
+    """sims [R, R] image i x caption j. I2T over all R image queries; T2I over unique captions."""
+    i2t, t2i, _ = ap_per_query(sims, records, mode, k)
+    return {"i2t": 100.0 * float(i2t.mean()), "t2i": 100.0 * float(t2i.mean())}
+
+
+def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int = 10, items: list | None = None) -> dict:
+    """Items: parts i2t / t2i (linked) and i2t_as_shipped / t2i_as_shipped; a query's id is its record's index
+    in the list and its group (T2I: the first record carrying the caption)."""
     img = encoder.images([r.image for r in records])
     txt = encoder.texts([r.caption for r in records])
     sims = (img @ txt.T).numpy()
-    linked = map_at_k(sims, records, "linked", k)
-    shipped = map_at_k(sims, records, "as_shipped", k)
-    return {f"i2t_map{k}": linked["i2t"], f"t2i_map{k}": linked["t2i"],
-            f"i2t_map{k}_as_shipped": shipped["i2t"], f"t2i_map{k}_as_shipped": shipped["t2i"],
-            "n_records": len(records), "n_local": sum(r.is_local for r in records)}
+    ids = [f"{i:06d}:{r.group}" for i, r in enumerate(records)]
+    out = {}
+    for mode, suffix in (("linked", ""), ("as_shipped", "_as_shipped")):
+        i2t, t2i, cols = ap_per_query(sims, records, mode, k)
+        record(items, Items(f"i2t{suffix}", "ap", ids, i2t), Items(f"t2i{suffix}", "ap", [ids[j] for j in cols], t2i))
+        out[f"i2t_map{k}{suffix}"], out[f"t2i_map{k}{suffix}"] = 100.0 * float(i2t.mean()), 100.0 * float(t2i.mean())
+    return {**out, "n_records": len(records), "n_local": sum(r.is_local for r in records)}

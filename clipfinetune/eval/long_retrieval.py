@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from clipfinetune.eval.encode import Encoder, resolve_image
-from clipfinetune.eval.retrieval import RetrievalSet, retrieval_metrics
+from clipfinetune.eval.items import Items, record
+from clipfinetune.eval.retrieval import RetrievalSet, caption_ids, recall_from_ranks, retrieval_ranks
 from clipfinetune.io import InputError
 
 LONG_KS = (1, 5, 25, 50)
@@ -97,11 +98,13 @@ def load_long_set(cfg: dict) -> RetrievalSet:
     raise ValueError(f"long_retrieval benchmark needs one of docci|dci|urban1k|goal_list, got {sorted(cfg)}")
 
 
-def evaluate_long_retrieval(encoder: Encoder, data: RetrievalSet, ks=LONG_KS) -> dict[str, float]:
+def evaluate_long_retrieval(encoder: Encoder, data: RetrievalSet, ks=LONG_KS, items: list | None = None) -> dict:
     if len(set(data.caption_image)) != len(data.caption_image):
         raise ValueError("long-text retrieval expects exactly one caption per image")
     img = encoder.images([(p, None) for p in data.images])
     txt = encoder.texts(data.captions)
-    out = retrieval_metrics(img, txt, np.asarray(data.caption_image), ks)
+    i2t, t2i = retrieval_ranks(img, txt, np.asarray(data.caption_image))
+    record(items, Items("i2t", "rank", list(data.images), i2t), Items("t2i", "rank", caption_ids(data), t2i))
+    out = recall_from_ranks(i2t, t2i, ks)
     out.update(n_images=len(data.images))
     return out

@@ -1,17 +1,33 @@
 """Cross-model summary: headline table with deltas vs `base` and `clip`, and the papers' CLAIMS checked
-on the evaluated set (the sample world by default).
+on the evaluated set (the sample world by default), each with a paired-bootstrap 95% CI of its difference.
 
-A claim's `holds` is True / False, "saturated" (the compared values are equal, or both >= 99: the
-benchmark cannot separate them) or "missing" (a model's metrics file or the metric is absent).
+A claim compares a method with a baseline model on one metric (or a mean of two). Its `difference` is
+method - baseline in the metric's units (points); for `fsc_clip.lhn_keeps_retrieval` it is a difference of
+differences (LHN-only's retrieval drop vs clip minus global-HN-only's). The CI resamples the test items of
+every list the metric reads (`clipfinetune.eval.bootstrap`: the same resamples for every model), recomputing
+the metric per resample. Verdict:
+  holds         the CI lies entirely on the claimed side: > 0 for "beats", < 0 for a smaller drop; for a
+                "kept" claim (method within `margin` points of the baseline) the lower bound is > -margin;
+  contradicted  the CI lies entirely on the other side (kept: the upper bound is < -margin);
+  inconclusive  otherwise (the items cannot tell);
+  saturated     both values >= 99: the benchmark cannot separate the models;
+  missing       a model's metrics file, the metric, or its per-item outcomes are absent.
 Works with any subset of models present.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+
+from clipfinetune.eval import items as item_stats
+from clipfinetune.eval.bootstrap import LEVEL, RESAMPLES, paired_bootstrap
 
 SATURATION = 99.0
 RETRIEVAL_MARGIN = 2.0
+VERDICTS = ("holds", "contradicted", "inconclusive", "saturated", "missing")
 
 
 def headline_keys(s: str = "sample") -> dict[str, str]:
@@ -29,6 +45,12 @@ def headline_keys(s: str = "sample") -> dict[str, str]:
     }
 
 
+def extra_zeroshot_keys(models: dict, s: str) -> dict[str, str]:
+    """`zs_<set>_acc1` for every other zero-shot set a model was evaluated on (e.g. `zeroshot.shape`)."""
+    sets = sorted({name for m in models.values() if m for name in (m.get("zeroshot") or {}) if name != s})
+    return {f"zs_{name}_acc1": f"zeroshot.{name}.acc1" for name in sets}
+
+
 def get(metrics: dict | None, key: str):
     node = metrics
     for part in key.split("."):
@@ -43,78 +65,149 @@ def load_metrics(paths: dict[str, str | Path]) -> dict[str, dict | None]:
     return {m: json.loads(Path(p).read_text()) if Path(p).is_file() else None for m, p in paths.items()}
 
 
-def _mean(values):
-    return None if any(v is None for v in values) else sum(values) / len(values)
+def load_items(paths: dict[str, str | Path]) -> dict:
+    """{model: per-item table (eval@<model>'s parquet), or None when its file does not exist}."""
+    import pandas as pd
+
+    return {m: pd.read_parquet(p) if Path(p).is_file() else None for m, p in paths.items()}
+
+
+def _keys(metric: str) -> list[str]:
+    """A metric key, or the keys of `mean(<k1>,<k2>)`."""
+    return [k.strip() for k in metric[5:-1].split(",")] if metric.startswith("mean(") else [metric]
 
 
 def _derived(metrics: dict | None, metric: str):
-    """A metric key, or `mean(<k1>,<k2>)` of two keys."""
-    if metric.startswith("mean("):
-        return _mean([get(metrics, k.strip()) for k in metric[5:-1].split(",")])
-    return get(metrics, metric)
+    values = [get(metrics, k) for k in _keys(metric)]
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
-def _verdict(value, baseline, ok: bool, a=None, b=None):
-    """saturated when the compared raw values are equal or both >= 99."""
-    a, b = (value, baseline) if a is None else (a, b)
-    if a == b or (a >= SATURATION and b >= SATURATION):
-        return "saturated"
-    return bool(ok)
+@dataclass(frozen=True)
+class Claim:
+    """`method` vs `baseline` on `metric`. side ">": method higher; "kept": method >= baseline - margin;
+    "<drop": method's drop from `reference` smaller than baseline's (a difference of differences)."""
+    method: str
+    metric: str
+    baseline: str
+    side: str = ">"
+    margin: float = 0.0
+    reference: str | None = None
+
+    @property
+    def rule(self) -> str:
+        if self.side == "<drop":
+            return f"{self.method} drop < {self.baseline} drop (vs {self.reference})"
+        if self.side == "kept":
+            return f"{self.method} >= {self.baseline} - {self.margin:g}" if self.margin else \
+                f"{self.method} >= {self.baseline} (margin 0)"
+        return f"{self.method} > {self.baseline}"
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.method, self.baseline) + ((self.reference,) if self.reference else ())
 
 
-def compare_claim(models: dict, method: str, metric: str, other: str, rule: str) -> dict:
-    """rule: ">" (method beats other) or ">=-2" (method within 2 points of other)."""
-    value, ref = _derived(models.get(method), metric), _derived(models.get(other), metric)
-    text = f"{method} > {other}" if rule == ">" else f"{method} >= {other} - {RETRIEVAL_MARGIN:g}"
-    out = {"metric": metric, "rule": text, "value": value, "baseline": ref}
-    if value is None or ref is None:
-        return {**out, "holds": "missing"}
-    ok = value > ref if rule == ">" else value >= ref - RETRIEVAL_MARGIN
-    return {**out, "holds": _verdict(value, ref, ok)}
-
-
-def lhn_claim(models: dict, s: str) -> dict:
-    """FSC-CLIP: LHN-only keeps i2t R@1 closer to clip than global-HN-only (smaller drop)."""
-    key = f"retrieval.{s}.i2t_r1"
-    clip, lhn, glob = (get(models.get(m), key) for m in ("clip", "fsc_lhn_only", "fsc_global_only"))
-    out = {"metric": f"drop of {key} vs clip", "rule": "fsc_lhn_only drop < fsc_global_only drop"}
-    if None in (clip, lhn, glob):
-        return {**out, "value": None, "baseline": None, "holds": "missing"}
-    d_lhn, d_glob = clip - lhn, clip - glob
-    return {**out, "value": d_lhn, "baseline": d_glob, "holds": _verdict(d_lhn, d_glob, d_lhn < d_glob, lhn, glob)}
-
-
-def claims(models: dict, s: str = "sample") -> dict:
+def claim_specs(s: str = "sample") -> dict[str, dict[str, Claim]]:
     ret, sc = f"retrieval.{s}.i2t_r1", f"compositionality.sugarcrepe.{s}.mean"
     long_t2i = f"long_retrieval.{s}.t2i_r1"
     long_mean = f"mean(long_retrieval.{s}.t2i_r1,long_retrieval.{s}.i2t_r1)"
+    kept = {"side": "kept", "margin": RETRIEVAL_MARGIN}
     return {
-        "harmoclip": {"box_cls_beats_clip": compare_claim(models, "harmoclip", f"box_cls.{s}.top1", "clip", ">"),
-                      "retrieval_kept": compare_claim(models, "harmoclip", ret, "clip", ">=-2")},
-        "fsc_clip": {"sugarcrepe_beats_clip": compare_claim(models, "fsc_clip", sc, "clip", ">"),
-                     "retrieval_kept": compare_claim(models, "fsc_clip", ret, "clip", ">=-2"),
-                     "lhn_keeps_retrieval": lhn_claim(models, s)},
-        "goal": {"long_t2i_beats_global_only": compare_claim(models, "goal", long_t2i, "goal_global_only", ">"),
-                 "long_t2i_beats_clip": compare_claim(models, "goal", long_t2i, "clip", ">")},
-        "degla": {"sugarcrepe_beats_clip": compare_claim(models, "degla", sc, "clip", ">"),
-                  "zeroshot_kept_vs_no_distill": _ge(models, "degla", f"zeroshot.{s}.acc1", "degla_no_distill")},
-        "mulclip": {"long_r1_beats_global_only": compare_claim(models, "mulclip", long_mean, "mulclip_global_only", ">"),
-                    "long_r1_beats_clip": compare_claim(models, "mulclip", long_mean, "clip", ">"),
-                    "retrieval_kept": compare_claim(models, "mulclip", ret, "clip", ">=-2")},
+        "harmoclip": {"box_cls_beats_clip": Claim("harmoclip", f"box_cls.{s}.top1", "clip"),
+                      "retrieval_kept": Claim("harmoclip", ret, "clip", **kept)},
+        "fsc_clip": {"sugarcrepe_beats_clip": Claim("fsc_clip", sc, "clip"),
+                     "retrieval_kept": Claim("fsc_clip", ret, "clip", **kept),
+                     # FSC-CLIP: LHN-only keeps i2t R@1 closer to clip than global-HN-only (smaller drop)
+                     "lhn_keeps_retrieval": Claim("fsc_lhn_only", ret, "fsc_global_only", "<drop", reference="clip")},
+        "goal": {"long_t2i_beats_global_only": Claim("goal", long_t2i, "goal_global_only"),
+                 "long_t2i_beats_clip": Claim("goal", long_t2i, "clip")},
+        # DeGLA: distillation keeps zero-shot, i.e. the run without it scores lower (margin 0)
+        "degla": {"sugarcrepe_beats_clip": Claim("degla", sc, "clip"),
+                  "zeroshot_kept_vs_no_distill": Claim("degla", f"zeroshot.{s}.acc1", "degla_no_distill", "kept")},
+        "mulclip": {"long_r1_beats_global_only": Claim("mulclip", long_mean, "mulclip_global_only"),
+                    "long_r1_beats_clip": Claim("mulclip", long_mean, "clip"),
+                    "retrieval_kept": Claim("mulclip", ret, "clip", **kept)},
     }
 
 
-def _ge(models, method, metric, other):
-    """method >= other (no margin): DeGLA's distillation keeps zero-shot at least as high."""
-    c = compare_claim(models, method, metric, other, ">")
-    c["rule"] = f"{method} >= {other}"
-    if c["holds"] not in ("missing", "saturated"):
-        c["holds"] = c["value"] >= c["baseline"]
-    return c
+def verdict(low: float, high: float, side: str, margin: float = 0.0) -> str:
+    """The CI [low, high] of the difference against the claimed side (see the module docstring)."""
+    if side == ">":
+        return "holds" if low > 0 else "contradicted" if high < 0 else "inconclusive"
+    if side == "<drop":
+        return "holds" if high < 0 else "contradicted" if low > 0 else "inconclusive"
+    if side == "kept":
+        return "holds" if low > -margin else "contradicted" if high < -margin else "inconclusive"
+    raise ValueError(f"unknown claim side {side!r}")
 
 
-def summarize(models: dict[str, dict | None], s: str = "sample") -> dict:
-    keys = headline_keys(s)
+def _statistic(metric: str, parts: dict) -> tuple[list, callable]:
+    """The metric (or mean of metrics) as parts read + fn(model parts, {part: idx}) -> values."""
+    stats = [item_stats.statistic(k, parts) for k in _keys(metric)]
+    keys = list(dict.fromkeys(k for st in stats for k in st.parts))
+    return keys, lambda p, idx: np.mean([st.fn(p, idx) for st in stats], axis=0)
+
+
+def _aligned(claim: Claim, parts: dict, keys: list) -> None:
+    """Pairing needs the same items in every model (same sets evaluated)."""
+    first = parts[claim.method]
+    for m in claim.models[1:]:
+        for k in keys:
+            if k not in parts[m] or not np.array_equal(first[k].ids, parts[m][k].ids):
+                raise ValueError(f"claim {claim.rule}: {m} and {claim.method} were scored on different items of {k}")
+
+
+def check_claim(claim: Claim, metrics: dict, parts: dict, n_resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """metrics: {model: metrics dict | None}; parts: {model: items.parts_of(table) | None}."""
+    out = {"metric": claim.metric if claim.side != "<drop" else f"drop of {claim.metric} vs {claim.reference}",
+           "rule": claim.rule, "value": None, "baseline": None, "difference": None, "ci_low": None,
+           "ci_high": None, "verdict": "missing"}
+    raw = {m: _derived(metrics.get(m), claim.metric) for m in claim.models}
+    if any(v is None for v in raw.values()):
+        return out
+    if claim.side == "<drop":
+        ref = raw[claim.reference]
+        out.update(value=ref - raw[claim.method], baseline=ref - raw[claim.baseline])
+    else:
+        out.update(value=raw[claim.method], baseline=raw[claim.baseline])
+    out["difference"] = out["value"] - out["baseline"]
+    if any(parts.get(m) is None for m in claim.models):
+        return out
+    try:
+        keys, fn = _statistic(claim.metric, parts[claim.method])
+    except KeyError:
+        return out
+    _aligned(claim, parts, keys)
+    sizes = {k: len(parts[claim.method][k].ids) for k in keys}
+
+    def difference(idx):
+        idx = {k: idx["/".join(k)] for k in keys}
+        if claim.side == "<drop":     # (ref - method) - (ref - baseline): the reference cancels item by item
+            return fn(parts[claim.baseline], idx) - fn(parts[claim.method], idx)
+        return fn(parts[claim.method], idx) - fn(parts[claim.baseline], idx)
+    ci = paired_bootstrap({"/".join(k): n for k, n in sizes.items()}, difference, n_resamples, seed)
+    if abs(ci["estimate"] - out["difference"]) > 1e-6:
+        raise ValueError(f"claim {claim.rule}: per-item outcomes give {ci['estimate']:.6f}, the metrics files "
+                         f"{out['difference']:.6f} (stale items or metrics file?)")
+    out.update(ci_low=ci["low"], ci_high=ci["high"])
+    both_high = min(raw[claim.method], raw[claim.baseline]) >= SATURATION
+    out["verdict"] = "saturated" if both_high else verdict(ci["low"], ci["high"], claim.side, claim.margin)
+    return out
+
+
+def claims(models: dict, s: str = "sample", items: dict | None = None, n_resamples: int = RESAMPLES,
+           seed: int = 0) -> dict:
+    """{method: {claim name: {metric, rule, value, baseline, difference, ci_low, ci_high, verdict}}}.
+    models: {model: metrics dict | None}; items: {model: per-item table | None}."""
+    parts = {m: (item_stats.parts_of(t) if t is not None else None) for m, t in (items or {}).items()}
+    return {method: {name: check_claim(c, models, parts, n_resamples, seed) for name, c in cs.items()}
+            for method, cs in claim_specs(s).items()}
+
+
+def summarize(models: dict[str, dict | None], s: str = "sample", items: dict | None = None,
+              n_resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """models: {model: metrics dict | None}; items: {model: per-item table | None} (no items: no CIs)."""
+    keys = {**headline_keys(s), **extra_zeroshot_keys(models, s)}
     present = {m: v for m, v in models.items() if v is not None}
     table = {m: {lbl: get(v, k) for lbl, k in keys.items()} for m, v in present.items()}
 
@@ -125,7 +218,9 @@ def summarize(models: dict[str, dict | None], s: str = "sample") -> dict:
                     for lbl in keys} for m, row in table.items() if m != ref}
     return {"set": s, "headline": table, "delta_vs_base": deltas("base"), "delta_vs_clip": deltas("clip"),
             "missing_models": sorted(m for m, v in models.items() if v is None),
-            "claims": claims(models, s)}
+            "missing_items": sorted(m for m in present if (items or {}).get(m) is None),
+            "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": LEVEL},
+            "claims": claims(models, s, items, n_resamples, seed)}
 
 
 def _fmt(v, signed=False):
@@ -134,8 +229,25 @@ def _fmt(v, signed=False):
     return f"{v:+.1f}" if signed else f"{v:.1f}"
 
 
+def _ci(c: dict) -> str:
+    return "–" if c.get("ci_low") is None else f"[{c['ci_low']:+.1f}, {c['ci_high']:+.1f}]"
+
+
+def claim_rows(summary: dict) -> list[list[str]]:
+    """method, claim, rule, value, baseline, difference, CI, verdict per claim (strings)."""
+    return [[method, name, c["rule"], _fmt(c["value"]), _fmt(c["baseline"]), _fmt(c["difference"], True), _ci(c),
+             c["verdict"]] for method, cs in summary["claims"].items() for name, c in cs.items()]
+
+
+VERDICT_NOTE = ("Difference = method - baseline in points (for `lhn_keeps_retrieval`: LHN-only's drop minus "
+                "global-HN-only's); CI = {level:.0f}% paired-bootstrap percentile interval over the test items "
+                "({n} resamples, the same for every model). `holds`: the CI lies on the claimed side of 0 (kept "
+                "claims: lower bound > -margin); `contradicted`: on the other side; `inconclusive`: it straddles; "
+                "`saturated`: both values >= 99; `missing`: a model, metric or its per-item outcomes are absent.")
+
+
 def render_markdown(summary: dict, plots: list[str] = ()) -> str:
-    labels = list(headline_keys(summary["set"]))
+    labels = list(next(iter(summary["headline"].values()), {})) or list(headline_keys(summary["set"]))
     lines = [f"# Evaluation summary (set `{summary['set']}`)", "",
              "Each cell: value (Δ vs `base` / Δ vs `clip`), percent. – = not evaluated.", "",
              "| model | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
@@ -146,13 +258,40 @@ def render_markdown(summary: dict, plots: list[str] = ()) -> str:
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if summary["missing_models"]:
         lines += ["", "Missing metrics files: " + ", ".join(f"`{m}`" for m in summary["missing_models"])]
+    if summary.get("missing_items"):
+        lines += ["", "Missing per-item outcomes (no CI): " + ", ".join(f"`{m}`" for m in summary["missing_items"])]
     lines += ["", "## Claims (each paper's headline on this set)", "",
-              "| method | claim | rule | metric | value | baseline | holds |", "|---|---|---|---|---|---|---|"]
-    for method, cs in summary["claims"].items():
-        for name, c in cs.items():
-            lines.append(f"| {method} | {name} | {c['rule']} | `{c['metric']}` | {_fmt(c['value'])} | "
-                         f"{_fmt(c['baseline'])} | {c['holds']} |")
-    lines += ["", "`saturated`: the compared values are equal or both >= 99, so the benchmark cannot tell them apart."]
+              "| method | claim | rule | value | baseline | difference | 95% CI | verdict |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in claim_rows(summary)]
+    boot = summary.get("bootstrap", {"level": LEVEL, "n_resamples": RESAMPLES})
+    lines += ["", VERDICT_NOTE.format(level=100 * boot["level"], n=boot["n_resamples"])]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+
+
+def render_text(summary: dict) -> str:
+    """The terminal view `make run` ends with: headline values (no deltas; columns no model has are left out)
+    and the claims with CIs."""
+    rows = summary["headline"].values()
+    labels = [lbl for lbl in next(iter(rows), {}) if any(row.get(lbl) is not None for row in rows)]
+    head = _table(["model"] + labels, [[m] + [_fmt(row[lbl]) for lbl in labels] for m, row in summary["headline"].items()])
+    claim = _table(["method", "claim", "rule", "value", "baseline", "diff", "95% CI", "verdict"], claim_rows(summary))
+    counts = {v: sum(r[-1] == v for r in claim_rows(summary)) for v in VERDICTS}
+    tally = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    return "\n".join([f"Evaluation summary, set '{summary['set']}' (percent; details: reports/summary.md)", ""]
+                      + head + ["", f"Claims ({tally})", ""] + claim) + "\n"
+
+
+if __name__ == "__main__":      # python -m clipfinetune.eval.report [metrics/summary.json]
+    import sys
+
+    print(render_text(json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "metrics/summary.json").read_text())),
+          end="")

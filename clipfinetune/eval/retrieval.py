@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from clipfinetune.eval.encode import Encoder, resolve_image
-from clipfinetune.eval.ranking import recall_at_k
+from clipfinetune.eval.items import Items, record
+from clipfinetune.eval.ranking import negatives_ahead
 from clipfinetune.io import InputError
 
 
@@ -105,19 +106,39 @@ def load_retrieval_set(cfg: dict) -> RetrievalSet:
     raise ValueError(f"retrieval benchmark needs one of karpathy|blip|flickr_txt|flickr_token, got {sorted(cfg)}")
 
 
-def retrieval_metrics(image_emb, text_emb, caption_image, ks=(1, 5, 10)) -> dict[str, float]:
-    """{i2t_r<K>, t2i_r<K>} in percent from normalised embeddings [N, D], [M, D]."""
+def retrieval_ranks(image_emb, text_emb, caption_image) -> tuple[np.ndarray, np.ndarray]:
+    """1-based rank of the first correct item per image query (I->T) and per caption query (T->I)."""
     caption_image = np.asarray(caption_image)
     sims = (image_emb @ text_emb.T).numpy()                       # [N, M]
     pos = caption_image[None, :] == np.arange(sims.shape[0])[:, None]
-    i2t = recall_at_k(sims, pos, ks)
-    t2i = recall_at_k(sims.T, pos.T, ks)
-    return {**{f"i2t_r{k}": v for k, v in i2t.items()}, **{f"t2i_r{k}": v for k, v in t2i.items()}}
+    return negatives_ahead(sims, pos) + 1, negatives_ahead(sims.T, pos.T) + 1
 
 
-def evaluate_retrieval(encoder: Encoder, data: RetrievalSet, ks=(1, 5, 10)) -> dict[str, float]:
+def recall_from_ranks(i2t, t2i, ks) -> dict[str, float]:
+    return {**{f"i2t_r{k}": 100.0 * float((i2t <= k).mean()) for k in ks},
+            **{f"t2i_r{k}": 100.0 * float((t2i <= k).mean()) for k in ks}}
+
+
+def retrieval_metrics(image_emb, text_emb, caption_image, ks=(1, 5, 10)) -> dict[str, float]:
+    """{i2t_r<K>, t2i_r<K>} in percent from normalised embeddings [N, D], [M, D]."""
+    return recall_from_ranks(*retrieval_ranks(image_emb, text_emb, caption_image), ks)
+
+
+def caption_ids(data: RetrievalSet) -> list[str]:
+    """`<image>#<k>`: the k-th caption of its image (stable across models)."""
+    seen: dict[int, int] = {}
+    out = []
+    for i in data.caption_image:
+        out.append(f"{data.images[i]}#{seen.get(i, 0)}")
+        seen[i] = seen.get(i, 0) + 1
+    return out
+
+
+def evaluate_retrieval(encoder: Encoder, data: RetrievalSet, ks=(1, 5, 10), items: list | None = None) -> dict:
     img = encoder.images([(p, None) for p in data.images])
     txt = encoder.texts(data.captions)
-    out = retrieval_metrics(img, txt, data.caption_image, ks)
+    i2t, t2i = retrieval_ranks(img, txt, data.caption_image)
+    record(items, Items("i2t", "rank", list(data.images), i2t), Items("t2i", "rank", caption_ids(data), t2i))
+    out = recall_from_ranks(i2t, t2i, ks)
     out.update(n_images=len(data.images), n_captions=len(data.captions))
     return out

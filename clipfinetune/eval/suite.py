@@ -27,17 +27,18 @@ TASKS = ("retrieval", "long_retrieval", "global_local", "box_cls", "box_cls_hard
 COMPOSITIONAL = {"sugarcrepe", "aro", "valse", "winoground"}
 
 
-def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str, cache_dir=None) -> dict:
+def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str, cache_dir=None, items=None) -> dict:
     out = {}
     if cfg.get("dir"):
         images = cfg.get("images") or str(Path(cfg["dir"]) / "images")
-        out.update(comp.evaluate_vg(enc, cfg["dir"], images, int(cfg.get("vga_min_count", comp.VGA_MIN_COUNT))))
+        out.update(comp.evaluate_vg(enc, cfg["dir"], images, int(cfg.get("vga_min_count", comp.VGA_MIN_COUNT)),
+                                    items))
     for name in ("coco_order", "flickr_order"):
         if cfg.get(name):
             data = retrieval.read_blip_list(cfg[name], cfg.get(f"{name}_images"))
             tagger = aro_order.cached_tagger(cache_dir) if cache_dir else None
             cases = aro_order.build_order_cases(data, seed=int(cfg.get("order_seed", seed)), tagger=tagger)
-            res = aro_order.evaluate_order(enc, cases)
+            res = aro_order.evaluate_order(enc, cases, name, items)
             out[name], out[f"n_{name}"] = res["precision_at_1"], res["n"]
         else:
             skipped[f"{where}.{name}"] = "not configured"
@@ -45,33 +46,36 @@ def _aro(enc: Encoder, cfg: dict, seed: int, skipped: dict, where: str, cache_di
 
 
 def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped: dict, where: str,
-                  aro_seed: int = 1, cache_dir=None) -> dict:
+                  aro_seed: int = 1, cache_dir=None, items: list | None = None) -> dict:
+    """One benchmark set's metrics; its per-item outcomes (clipfinetune.eval.items.Items) go to `items`."""
     if task == "retrieval":
-        return retrieval.evaluate_retrieval(enc, retrieval.load_retrieval_set(cfg))
+        return retrieval.evaluate_retrieval(enc, retrieval.load_retrieval_set(cfg), items=items)
     if task == "long_retrieval":
-        return long_retrieval.evaluate_long_retrieval(enc, long_retrieval.load_long_set(cfg))
+        return long_retrieval.evaluate_long_retrieval(enc, long_retrieval.load_long_set(cfg), items=items)
     if task == "global_local":
-        return global_local.evaluate_global_local(enc, global_local.read_joint_list(cfg["test_list"], cfg.get("images")))
+        records = global_local.read_joint_list(cfg["test_list"], cfg.get("images"))
+        return global_local.evaluate_global_local(enc, records, items=items)
     if task in ("box_cls", "box_cls_hard"):
-        return box_cls.evaluate_box_cls(enc, box_cls.load_box_set(cfg), text_enc)
+        return box_cls.evaluate_box_cls(enc, box_cls.load_box_set(cfg), text_enc, items)
     if task == "sugarcrepe":
-        return comp.evaluate_sugarcrepe(enc, comp.read_sugarcrepe(cfg["dir"], cfg.get("images")))
+        return comp.evaluate_sugarcrepe(enc, comp.read_sugarcrepe(cfg["dir"], cfg.get("images")), items)
     if task == "aro":
-        return _aro(enc, cfg, aro_seed, skipped, where, cache_dir)
+        return _aro(enc, cfg, aro_seed, skipped, where, cache_dir, items)
     if task == "valse":
-        return comp.evaluate_valse(enc, comp.read_valse(cfg["dir"], cfg.get("images")))
+        return comp.evaluate_valse(enc, comp.read_valse(cfg["dir"], cfg.get("images")), items)
     if task == "winoground":
-        return comp.evaluate_winoground(enc, comp.read_winoground(cfg["dir"]))
+        return comp.evaluate_winoground(enc, comp.read_winoground(cfg["dir"]), items)
     if task == "zeroshot":
-        return zeroshot.evaluate_zeroshot(enc, zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test")))
+        return zeroshot.evaluate_zeroshot(enc, zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test")), items)
     raise ValueError(f"unknown evaluation task {task!r}")
 
 
 def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_model=None,
-                   text_encoder: str = "own", aro_seed: int = 1, cache_dir=None) -> dict:
+                   text_encoder: str = "own", aro_seed: int = 1, cache_dir=None, items: list | None = None) -> dict:
     """Run every configured benchmark. `text_model` (e.g. the base model) scores box classes when
     `text_encoder == "base"`; the choice is recorded under meta. `cache_dir`: where model-independent
-    preprocessing (ARO-Order's POS tags) persists between models; None recomputes it."""
+    preprocessing (ARO-Order's POS tags) persists between models; None recomputes it. `items`, when given,
+    receives (metric prefix, Items) for every scored list: `clipfinetune.eval.items.to_frame` tabulates them."""
     benchmarks = benchmarks or {}
     enc = Encoder(model, batch_size)
     if text_encoder == "base":
@@ -98,7 +102,10 @@ def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_m
                 skipped[where] = "not configured"
                 continue
             t0 = time.perf_counter()
-            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed, cache_dir)
+            found: list = []
+            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed, cache_dir, found)
+            if items is not None:
+                items.extend((where, it) for it in found)
             log.info("%s: %.1fs %s", where, time.perf_counter() - t0,
                      {k: round(v, 2) for k, v in res.items() if isinstance(v, float)})
             node = metrics.setdefault("compositionality", {}).setdefault(task, {}) if task in COMPOSITIONAL \
