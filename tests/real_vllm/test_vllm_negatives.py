@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from fixtures.project import copy_project, env, run, write_params
 
 from clipfinetune.data.llm_negatives import build_prompt
-from fixtures.project import copy_project, env, run, write_params
 
 pytestmark = pytest.mark.vllm
 
@@ -329,7 +329,8 @@ def test_every_request_uses_the_json_schema_and_every_answer_is_counted(first_ru
         obj = json.loads(content, strict=False)
         limit = body["response_format"]["json_schema"]["schema"]["properties"]["rewritten"]["maxLength"]
         # (the grammar counts an invalid UTF-8 byte run as one character; decoded, it is one U+FFFD per byte)
-        assert list(obj) == ["rewritten"] and obj["rewritten"] and len(obj["rewritten"].replace("\ufffd", "")) <= limit
+        text = obj["rewritten"]
+        assert list(obj) == ["rewritten"] and text and len(text.replace("\ufffd", "")) <= limit
     assert_counts_add_up(first_run["repo"], meta, first_run["replies"])
     assert meta["reject_rate"] > 0 and meta["endpoint"] == first_run["base_url"] + "/chat/completions"
     assert Counter(a[2] for a in first_run["answers"].values()) == Counter(first_run["replies"])
@@ -382,7 +383,9 @@ def test_killed_run_resumes_and_ends_with_the_uninterrupted_answers(first_run, s
 def test_server_stopping_mid_run_names_the_url_and_keeps_the_answers(first_run, server, workdir):
     """Last: it stops the server. The stage talks to vLLM directly, so a stopped server refuses connections."""
     vllm, _ = server
-    repo = make_project(workdir / "stopped", backend="server", base_url=vllm.url, model=SERVED)
+    # vLLM's API server, stopped, keeps the connections of requests in flight open without answering them until
+    # they close: the stage's per-request timeout bounds that wait
+    repo = make_project(workdir / "stopped", backend="server", base_url=vllm.url, model=SERVED, timeout=10)
     proc = subprocess.Popen(stage_cmd(), cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
