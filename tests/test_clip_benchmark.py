@@ -87,7 +87,7 @@ def test_clip_benchmark_eval_of_our_export_equals_our_zeroshot(tmp_path):
                "--pretrained", "", "--dataset", "wds/shapes", "--dataset_root", str(wds_root),
                "--task", "zeroshot_classification", "--batch_size", "8", "--num_workers", "0", "--no_amp",
                "--output", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240,
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(out.read_text())

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from fixtures.methods import FixedNegativesContext, collate_examples, shard_record, tiny_model
+from fixtures.methods import coco_record as mixed_coco_record
 
 from clipfinetune.methods import get_method
 
@@ -28,14 +29,7 @@ def reversed_and_recoloured(caption):
 
 
 def coco_record(i):
-    return shard_record(
-        str(i), "coco", W, H,
-        captions=[f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"],
-        word_regions=[{"caption_index": 0, "word": "circle", "char_span": [6, 12],
-                       "box": [10, 20, 60, 70], "category": "circle"}],
-        negatives=[{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
-                   {"caption_index": 1, "type": "reshuffle",
-                    "texts": [f"a yellow star above a blue ring {i}"]}])
+    return mixed_coco_record(i, W, H, box=(10, 20, 60, 70))
 
 
 def perturb(model):

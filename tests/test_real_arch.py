@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fixtures.methods import FixedNegativesContext, random_image, shard_record
+from fixtures.methods import coco_record as mixed_coco_record
 from fixtures.real_arch import shallow_config, shallow_model
 from PIL import Image
 from torch.utils.data import default_collate
@@ -76,13 +77,7 @@ CAPTION = ("A picture of two shapes on a grey background. There is a small red c
 
 
 def coco_record(i):
-    return shard_record(
-        str(i), "coco", W, H,
-        captions=[f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"],
-        word_regions=[{"caption_index": 0, "word": "circle", "char_span": [6, 12],
-                       "box": [300, 0, 400, 100], "category": "circle"}],
-        negatives=[{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
-                   {"caption_index": 1, "type": "reshuffle", "texts": [f"a yellow star above a blue ring {i}"]}])
+    return mixed_coco_record(i, W, H, box=(300, 0, 400, 100))                # a top-right word region
 
 
 def docci_record(i):
