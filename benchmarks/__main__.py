@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     print(text)
     load = os.getloadavg()
     run = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
-           "command": "nice -n 19 python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+           "command": f"nice -n {os.environ.get('BENCH_NICE', '19')} python -m benchmarks "
+                      + " ".join(sys.argv[1:] if argv is None else argv),
            "figures": sorted(figures),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

@@ -20,8 +20,8 @@ import time
 from .common import WORK, Row, median, shell
 
 BATCH = 8
-STEPS = 10                 # optimiser steps per process run
-SKIP = 3                   # warm-up steps dropped
+STEPS = 8                  # optimiser steps per process run
+SKIP = 2                   # warm-up steps dropped
 WORDS = (["red", "blue", "green", "yellow", "small", "large"], ["circle", "square", "triangle", "star", "ring"],
          ["above", "below", "beside", "left of", "right of"])
 
@@ -126,7 +126,7 @@ def figure(*, pairs: int = 1, log=print) -> list[Row]:
         oc_runs.append(b)
     ratio = median([a["median_sps"] / b["median_sps"] for a, b in zip(ours_runs, oc_runs)])
     log("  fig5 compute-only breakdown at ViT-B-16 (in process, fixed batch)...")
-    breakdown = fig1.compute_only(model_dir, BATCH, reps=2, steps=3, samples=samples)
+    breakdown = fig1.compute_only(model_dir, BATCH, reps=1, steps=3, samples=samples)
     trim_gain = breakdown["ours"] / breakdown["ours_untrimmed"]
     log(f"  fig5 compute-only: {breakdown}")
     log("  fig5 SAM vit_b on 1024 x 768 images...")
@@ -134,7 +134,7 @@ def figure(*, pairs: int = 1, log=print) -> list[Row]:
     log(f"  fig5 SAM: {sam}")
     commands = [shell(fig1.ours_cmd(model_dir, BATCH, 2, shards, STEPS)),
                 shell(fig1.openclip_cmd(model_dir, BATCH, 2, n_samples, "bench-<ts>-<i>", shards)),
-                f"in process: benchmarks.fig1_openclip.compute_only(ViT-B-16, batch_size={BATCH}, reps=2, steps=3)",
+                f"in process: benchmarks.fig1_openclip.compute_only(ViT-B-16, batch_size={BATCH}, reps=1, steps=3)",
                 "in process: benchmarks.fig5_real.sam_seconds_per_image()"]
     details = {"model": "ViT-B-16 (random init, full depth), 224 px, fp32, CPU", "batch_size": BATCH,
                "steps_per_run": STEPS, "warmup_steps_dropped": SKIP, "pairs": pairs, "workers": 2,
