@@ -40,6 +40,12 @@ test-dag: setup
 test-faults: setup
 	source $(BIN)/activate && python -m pytest tests -m faults
 
+# real components at their real architecture, minutes on CPU (tests/real/, not collected by `make test`):
+# the segments stage with segment-anything's vit_b on 1024 x 768 images
+.PHONY: test-real
+test-real: setup
+	source $(BIN)/activate && python -m pytest tests/real
+
 bench: setup
 	source $(BIN)/activate && python -m benchmarks
 

@@ -11,7 +11,9 @@ newest run's rows with that run's date, command and machine):
 3. data stages: word_regions at COCO scale, sentences, shard writing, loader vs trainer consumption
    (`fig3_data`);
 4. the whole sample DAG from scratch: wall time, peak RSS, and each stage's time against its budget (`fig4_dag`;
-   only with `--dag`).
+   only with `--dag`);
+5. the real size: ViT-B-16 (224 px, batch 8) Trainer vs `open_clip_train` and the text-trimming gain, SAM vit_b
+   seconds per 1024 x 768 image (`fig5_real`; only with `--only 5`).
 
 Scratch files go to `benchmarks/_work/` (gitignored). The machine is a small shared CPU box: OpenMP threads are
 told to sleep when idle (spinning threads made steps ~4x slower when the cores are shared).

@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import time
+from pathlib import Path
 
 from .common import SHARDS, WORK, Row, median, python, run, shell
 
@@ -31,18 +32,19 @@ SKIP = 5                     # warm-up steps dropped per run (shuffle-buffer fil
 OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+ .*?Batch \(t\): [\d.]+, ([\d.eE+]+)/s, ")
 
 
-def train_shards() -> list[str]:
-    return sorted(str(p) for p in SHARDS.glob("train-*.tar"))
+def train_shards(shards=SHARDS) -> list[str]:
+    return sorted(str(p) for p in Path(shards).glob("train-*.tar"))
 
 
-def shard_brace() -> str:
-    names = [p.rsplit("-", 1)[1].split(".")[0] for p in train_shards()]
-    return str(SHARDS / f"train-{{{names[0]}..{names[-1]}}}.tar")
+def shard_brace(shards=SHARDS) -> str:
+    names = [p.rsplit("-", 1)[1].split(".")[0] for p in train_shards(shards)]
+    return str(Path(shards) / f"train-{{{names[0]}..{names[-1]}}}.tar")
 
 
 # ------------------------------------------------------------------------------------------ ours (child process)
-def child(model_dir: str, batch_size: int, workers: int, trim: bool = True) -> None:
-    """Our stage's training path (ShardLoader + Trainer, plain CLIP), one epoch; prints per-step samples/s."""
+def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_steps: int = 0) -> None:
+    """Our stage's training path (ShardLoader + Trainer, plain CLIP), one epoch (or its first `max_steps` steps);
+    prints per-step samples/s."""
     import torch  # noqa: F401
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
@@ -71,21 +73,24 @@ def child(model_dir: str, batch_size: int, workers: int, trim: bool = True) -> N
     model = load_model("local-dir:" + model_dir)
     method = build_method("clip")
     ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
-    loader = ShardLoader(SHARDS, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
+    loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
     trainer = Trainer(method, model, loader, cfg)
+    if max_steps:                                   # the loop runs steps_per_epoch steps of its one epoch
+        trainer.steps_per_epoch = trainer.total_steps = min(trainer.total_steps, max_steps)
     t0 = time.perf_counter()
     trainer.fit()
     print(json.dumps({"samples_per_s": steps, "wall_s": time.perf_counter() - t0, "steps": len(steps)}))
 
 
-def ours_cmd(model_dir, batch_size, workers) -> list[str]:
+def ours_cmd(model_dir, batch_size, workers, shards=SHARDS, max_steps=0) -> list[str]:
     return [python(), "-m", "benchmarks.fig1_openclip", "--child", "--model", str(model_dir),
-            "--batch-size", str(batch_size), "--workers", str(workers)]
+            "--batch-size", str(batch_size), "--workers", str(workers), "--shards", str(shards),
+            "--max-steps", str(max_steps)]
 
 
-def openclip_cmd(model_dir, batch_size, workers, n_samples, name) -> list[str]:
+def openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards=SHARDS) -> list[str]:
     return [python(), "-m", "clipfinetune.data.open_clip_compat", "--dataset-type", "webdataset",
-            "--train-data", shard_brace(), "--train-num-samples", str(n_samples),
+            "--train-data", shard_brace(shards), "--train-num-samples", str(n_samples),
             "--model", f"local-dir:{model_dir}", "--precision", "fp32", "--device", "cpu",
             "--batch-size", str(batch_size), "--workers", str(workers), "--epochs", "1",
             "--lr", "2e-4", "--wd", "0.1", "--warmup", "20", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
@@ -94,20 +99,20 @@ def openclip_cmd(model_dir, batch_size, workers, n_samples, name) -> list[str]:
             "--logs", str(WORK / "oc_logs"), "--name", name]
 
 
-def run_ours(model_dir, batch_size, workers) -> dict:
-    cmd = ours_cmd(model_dir, batch_size, workers)
-    rc, out, wall = run(cmd)
+def run_ours(model_dir, batch_size, workers, shards=SHARDS, max_steps=0, skip=SKIP) -> dict:
+    cmd = ours_cmd(model_dir, batch_size, workers, shards, max_steps)
+    rc, out, wall = run(cmd, timeout=3600)
     if rc != 0:
         raise RuntimeError(f"our trainer run failed ({rc}):\n{out[-3000:]}")
     res = json.loads(out.strip().splitlines()[-1])
-    sps = res["samples_per_s"][SKIP:]
+    sps = res["samples_per_s"][skip:]
     return {"median_sps": median(sps), "steps": res["steps"], "timed_steps": len(sps), "process_wall_s": wall}
 
 
-def run_openclip(model_dir, batch_size, workers, n_samples, i) -> dict:
+def run_openclip(model_dir, batch_size, workers, n_samples, i, shards=SHARDS, skip=SKIP) -> dict:
     name = f"bench-{int(time.time())}-{i}"
-    cmd = openclip_cmd(model_dir, batch_size, workers, n_samples, name)
-    rc, out, wall = run(cmd)
+    cmd = openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards)
+    rc, out, wall = run(cmd, timeout=3600)
     shutil.rmtree(WORK / "oc_logs" / name, ignore_errors=True)
     if rc != 0:
         raise RuntimeError(f"open_clip_train run failed ({rc}):\n{out[-3000:]}")
@@ -117,13 +122,14 @@ def run_openclip(model_dir, batch_size, workers, n_samples, i) -> dict:
     sps = [v for _, v in sorted(per_step.items())]
     if not sps:
         raise RuntimeError(f"no step lines in open_clip_train's log:\n{out[-3000:]}")
-    return {"median_sps": median(sps[SKIP:]), "steps": len(sps), "timed_steps": len(sps[SKIP:]),
+    return {"median_sps": median(sps[skip:]), "steps": len(sps), "timed_steps": len(sps[skip:]),
             "process_wall_s": wall}
 
 
 # ------------------------------------------------------------------------------------------ compute-only breakdown
-def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6) -> dict:
-    """samples/s of one optimiser step on a fixed real batch: ours, ours untrimmed, open_clip-style."""
+def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6, samples=None) -> dict:
+    """samples/s of one optimiser step on a fixed real batch: ours, ours untrimmed, open_clip-style.
+    `samples`: (key, jpg bytes, record) to draw the batch from (default: the train shards)."""
 
     import torch
     from open_clip.loss import ClipLoss as OcClipLoss
@@ -135,7 +141,7 @@ def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6) -> d
 
     from .fig2_methods import FixedSource, make_batch, shard_samples
 
-    samples = shard_samples()
+    samples = samples if samples is not None else shard_samples()
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=2e-4, warmup=0, wd=0.1, grad_clip=1.0)
 
     def ours(trim: bool):
@@ -223,7 +229,9 @@ if __name__ == "__main__":
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--shards", default=str(SHARDS))
+    ap.add_argument("--max-steps", type=int, default=0)
     a = ap.parse_args()
     if not a.child:
         sys.exit("use `python -m benchmarks --only 1`")
-    child(a.model, a.batch_size, a.workers)
+    child(a.model, a.batch_size, a.workers, a.shards, a.max_steps)

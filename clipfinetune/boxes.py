@@ -1,7 +1,10 @@
 """The one place where boxes follow an image through a resize or a crop.
 
 Boxes are xyxy in original-image pixels on disk. The model's transform squash-resizes the whole image
-to `size x size` (no centre crop, as FineCLIP), so a box scales by (size / W, size / H).
+to the model's input size (no centre crop, as FineCLIP), so a box scales by (out_w / W, out_h / H).
+
+Sizes follow each library's own order: an image's size is PIL's (W, H); the model's input size is
+open_clip's `visual.image_size` = (H, W), as `ClipModel.image_size` returns it for a non-square input.
 """
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import torch
 
 
 def resize_boxes(boxes, orig_wh: tuple[int, int], size: int | tuple[int, int]):
-    """Map xyxy boxes from an (W, H) image onto the squash-resized (size x size) image."""
-    out_w, out_h = (size, size) if isinstance(size, int) else size
+    """Map xyxy boxes from a (W, H) image onto the squash-resized model input of `size` (an int, or (H, W))."""
+    out_h, out_w = (size, size) if isinstance(size, int) else size
     w, h = orig_wh
     scale = [out_w / w, out_h / h, out_w / w, out_h / h]
     if isinstance(boxes, torch.Tensor):

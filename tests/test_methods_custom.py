@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from fixtures.methods import FixedNegativesContext, collate_examples, shard_record, tiny_model
+from fixtures.methods import coco_record as mixed_coco_record
 
 from clipfinetune.methods import get_method
 
@@ -28,14 +29,7 @@ def reversed_and_recoloured(caption):
 
 
 def coco_record(i):
-    return shard_record(
-        str(i), "coco", W, H,
-        captions=[f"a red circle beside {i} green squares", f"a blue star above a yellow ring number {i}"],
-        word_regions=[{"caption_index": 0, "word": "circle", "char_span": [6, 12],
-                       "box": [10, 20, 60, 70], "category": "circle"}],
-        negatives=[{"caption_index": 1, "type": "replace_nouns", "texts": [f"a blue ring above a star {i}"]},
-                   {"caption_index": 1, "type": "reshuffle",
-                    "texts": [f"a yellow star above a blue ring {i}"]}])
+    return mixed_coco_record(i, W, H, box=(10, 20, 60, 70))
 
 
 def perturb(model):
@@ -102,3 +96,42 @@ def test_custom_term_parsing():
     goal = only_goal.methods["goal"]
     assert (goal.lambda_global, goal.lambda_local, goal.lambda_tsl) == (0.0, 0.0, 1.0)
     assert list(custom(terms={}).weights) == ["clip"]
+
+
+def docci_record(i):
+    caption = f"A picture of {i} shapes. There is a red circle in the top left corner."
+    second = caption.index("There")
+    return shard_record(f"train_{i:05d}", "docci", W, H, long_caption=caption,
+                        sentences=[{"text": caption[:second - 1], "char_span": [0, second - 1]},
+                                   {"text": caption[second:], "char_span": [second, len(caption)]}],
+                        local_pair=[{"sentence_index": 1, "box": [10, 5, 60, 45]}])
+
+
+def test_goal_and_mulclip_mix_trains_the_temperature_and_leaves_no_parameter_without_gradient(tiny):
+    """GOAL's softmax terms train CLIP's logit_scale (METHODS §3.2); MulCLIP's sigmoid terms have their own heads.
+    In one mix MulCLIP must not freeze the shared scale, and its global head (its terms not named) must not be
+    left trainable without a gradient (DDP would wait for it)."""
+    terms = {"clip.contrastive": 0, "goal.contrastive": 1.0, "goal.local_contrastive": 0.5, "mulclip.word_patch": 1.0}
+    custom = get_method("custom")(terms=terms)
+    model = copy.deepcopy(tiny)
+    module, loss = custom.build(model), custom.loss()
+    ctx = FixedNegativesContext(model)
+    ctx._tokenize_long = lambda texts: model.tokenize(texts, context_length=248)
+    batch = collate_examples(custom, [docci_record(i) for i in range(4)], ctx)
+    out = loss(module(batch))
+    assert set(out) == {"goal.contrastive", "goal.local_contrastive", "mulclip.word_patch"}
+    sum(out.values()).backward()
+    assert model.clip.logit_scale.requires_grad
+    assert model.clip.logit_scale.grad is not None and model.clip.logit_scale.grad.abs() > 0
+    without = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    assert without == []
+    assert not any(p.requires_grad for p in module.parts["mulclip"].new_modules.heads["global"].parameters())
+    assert all(p.requires_grad for p in module.parts["mulclip"].new_modules.heads["word"].parameters())
+
+
+def test_a_mix_of_mulclip_terms_only_freezes_the_unused_logit_scale(tiny):
+    custom = get_method("custom")(terms={"clip.contrastive": 0, "mulclip.contrastive": 1.0})
+    model = copy.deepcopy(tiny)
+    module = custom.build(model)
+    assert not model.clip.logit_scale.requires_grad
+    assert all(p.requires_grad for p in module.parts["mulclip"].new_modules.heads["global"].parameters())

@@ -23,6 +23,7 @@ class Method:
     name: str = ""
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     find_unused_parameters: bool = False        # DDP: True if some trainable params may skip a forward
+    uses_logit_scale: bool = True               # the model's own logit_scale enters this method's loss
 
     def __init__(self, **config: Any):
         self.config = dict(config)
@@ -46,6 +47,12 @@ class Method:
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     # ----------------------------------------------------------------------------------- optional hooks
+    def join_mix(self, terms: frozenset[str]) -> None:
+        """Called by `custom` before `build`: the model is shared with other methods and only `terms` of this
+        method's loss are summed. A method then freezes nothing of the shared model that another method may
+        train (`custom` freezes the model's logit_scale when no method uses it) and only its own parameters
+        that no summed term uses."""
+
     def param_groups(self, module: nn.Module) -> list[dict]:
         """Extra optimiser groups: [{"name", "params", "lr"[, "weight_decay"]}]; the rest uses `train.lr`."""
         return []

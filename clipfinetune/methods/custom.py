@@ -33,9 +33,12 @@ Decisions:
   bit for bit) and a `dense=False` image request reuses a `dense=True` result. Teachers are separate modules and
   are not shared. Features are returned flat as `"<method>.<key>"` (the trainer's accumulation cache concatenates
   them along dim 0).
-- Every method builds on the SAME model (teachers copy it at their build, in mix order). Under DDP, a mix whose
-  discarded terms own parameters (MulCLIP's heads) leaves them without gradient: `find_unused_parameters` is set
-  if any involved method asks for it; MulCLIP's loss-owned modules under DDP in a mix are untested.
+- Every method builds on the SAME model (teachers copy it at their build, in mix order). Each method is told its
+  summed terms first (`Method.join_mix`): it then freezes only what no summed term of its own uses (MulCLIP: its
+  global head when neither of its global terms is named) and nothing of the shared model; the model's
+  `logit_scale` is frozen here only if no involved method uses it (`Method.uses_logit_scale`). So GOAL's terms
+  keep training CLIP's temperature next to MulCLIP's own heads, and no trainable parameter is left without a
+  gradient. `find_unused_parameters` is still set if any involved method asks for it.
 - The trainer sums the returned terms, named `"<method>.<term>"`; the losses' counts are merged into `stats`.
 """
 from __future__ import annotations
@@ -173,6 +176,8 @@ class CustomMethod(Method):
         self.weights = parse_terms(terms or {})
         self.methods: dict[str, Method] = {m: build_method(m, **method_config(m, ts))
                                            for m, ts in self.weights.items()}
+        for name, method in self.methods.items():
+            method.join_mix(frozenset(self.weights[name]))
         self.find_unused_parameters = any(m.find_unused_parameters for m in self.methods.values())
 
     def wants(self, record: dict) -> bool:
@@ -192,7 +197,10 @@ class CustomMethod(Method):
         return example
 
     def build(self, model) -> nn.Module:
-        return CustomModule(model, {name: m.build(model) for name, m in self.methods.items()})
+        parts = {name: m.build(model) for name, m in self.methods.items()}
+        if not any(m.uses_logit_scale for m in self.methods.values()):
+            model.clip.logit_scale.requires_grad_(False)           # no term of the mix uses it (DDP, decay)
+        return CustomModule(model, parts)
 
     def loss(self) -> nn.Module:
         return CustomLoss({name: m.loss() for name, m in self.methods.items()}, self.weights)

@@ -22,10 +22,15 @@ Decisions the paper leaves open (besides those of the loss module):
   (call it after `build()`, as the trainer does), so they are optimised exactly once. `param_groups` puts them in
   the `new_modules` group at `new_module_lr` (the trainer's decay rule leaves the heads' scale/bias and the
   calibrations' log-temperature without weight decay).
-- The model's own `logit_scale` is unused by the sigmoid loss (each objective has its own head): it is frozen
-  (`requires_grad=False`) so it neither drifts under weight decay nor leaves DDP waiting for its gradient.
+- The model's own `logit_scale` is unused by the sigmoid loss (§3.2: every L_contrast is sigmoid, with its own
+  learnable scale and bias; METHODS §5). Trained alone, MulCLIP freezes it (`requires_grad=False`) so it neither
+  drifts under weight decay nor leaves DDP waiting for its gradient. In a `custom` mix it is NOT MulCLIP's to
+  freeze: it is the learnable temperature of the other methods' softmax terms (GOAL's L_global and local
+  contrast train it, METHODS §3.2, no clamp), so each term keeps its own paper's temperature and `custom`
+  freezes it only if no method uses it (`uses_logit_scale = False` here).
   New modules a run never uses are frozen as well (global-only: both calibrations and the word/sub heads;
-  lambda_word = 0: the text calibration and the word head; lambda_sub = 0: the sub head).
+  lambda_word = 0: the text calibration and the word head; lambda_sub = 0: the sub head; in a mix naming
+  neither `contrastive` nor `contrastive_short`: the global head, whose terms are computed but not summed).
 - The text states are computed up to the batch's longest text (exact under the causal mask) and zero-padded to
   248 for the text calibration, which masks padding out of its softmax: identical to encoding all 248 positions.
 - The summary (`contrastive_short`) is sub-caption 0, always present (records without sentences are skipped).
@@ -74,6 +79,8 @@ class MulClipModule(nn.Module):
 class MulClipMethod(Method):
     name = "mulclip"
     train_keys = frozenset({"new_module_lr"})
+    uses_logit_scale = False                                      # each objective has its own ContrastHead
+    GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})
 
     def __init__(self, lambda_short: float = 0.5, lambda_word: float = 1.0, lambda_sub: float = 1.0,
                  token_ratio: float = 0.5, max_sentences: int = 15, new_module_lr: float | None = None):
@@ -86,7 +93,10 @@ class MulClipMethod(Method):
         if self.max_sentences < 1:
             raise ValueError(f"max_sentences must be >= 1 (sentence 0 is the summary), got {max_sentences}")
         self.tokens = self.lambda_word != 0 or self.lambda_sub != 0
-        self._loss = None
+        self._loss, self._mix_terms = None, None
+
+    def join_mix(self, terms: frozenset[str]) -> None:
+        self._mix_terms = frozenset(terms)
 
     def wants(self, record: dict) -> bool:
         return record.get("source") == "docci" and bool(record.get("long_caption")) and bool(record.get("sentences"))
@@ -104,13 +114,15 @@ class MulClipMethod(Method):
         from clipfinetune.losses.mulclip import MulClipLoss
 
         stretch_to_long(model, freeze_kept=True)                   # Long-CLIP: rows 0..19 frozen
-        model.clip.logit_scale.requires_grad_(False)               # the sigmoid heads carry their own scales
+        if self._mix_terms is None:                                # alone: the sigmoid heads carry the scales
+            model.clip.logit_scale.requires_grad_(False)           # (in a mix: `custom` decides, see above)
         loss = MulClipLoss(model.embed_dim, model.num_patches, model.context_length, token_ratio=self.token_ratio,
                            lambda_short=self.lambda_short, lambda_word=self.lambda_word, lambda_sub=self.lambda_sub,
                            max_subcaptions=self.max_sentences)
         unused = [] if self.lambda_word else [loss.text_calibration, loss.heads["word"]]
         unused += [] if self.lambda_sub else [loss.heads["sub"]]
         unused += [] if self.tokens else [loss.patch_calibration]
+        unused += [] if self._mix_terms is None or self._mix_terms & self.GLOBAL_TERMS else [loss.heads["global"]]
         for module in unused:
             module.requires_grad_(False)
         self._loss = loss
