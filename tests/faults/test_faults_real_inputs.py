@@ -56,11 +56,18 @@ def encode(im: Image.Image, fmt: str, **kw) -> bytes:
     return buf.getvalue()
 
 
+def pil_decoded(data: bytes) -> np.ndarray:
+    """PIL's own decode + RGB conversion, in the stored frame (what a lossy variant must read as)."""
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB"))
+
+
 def variant(kind: str, orig: Image.Image) -> tuple[str, bytes, np.ndarray | None]:
-    """(file suffix, encoded bytes, the RGB pixels a correct reader returns; None: approximately `orig`)."""
+    """(file suffix, encoded bytes, the RGB pixels a correct reader returns; None for the bad ones)."""
     grey = np.asarray(orig.convert("L"))
     if kind == "cmyk":
-        return ".jpg", encode(orig.convert("CMYK"), "JPEG", quality=95), None
+        data = encode(orig.convert("CMYK"), "JPEG", quality=95, subsampling=0)
+        return ".jpg", data, pil_decoded(data)
     if kind == "grey":
         return ".png", encode(orig.convert("L"), "PNG"), np.repeat(grey[..., None], 3, axis=2)
     if kind == "palette":
@@ -76,7 +83,8 @@ def variant(kind: str, orig: Image.Image) -> tuple[str, bytes, np.ndarray | None
     if kind == "exif_rotated":
         exif = Image.Exif()
         exif[EXIF_ORIENTATION] = 6                             # "rotate 90 CW to display": not applied (stored frame)
-        return ".jpg", encode(orig, "JPEG", quality=95, exif=exif.tobytes()), None
+        data = encode(orig, "JPEG", quality=95, subsampling=0, exif=exif.tobytes())
+        return ".jpg", data, pil_decoded(data)
     if kind == "truncated":
         data = encode(orig, "JPEG", quality=95)
         return ".jpg", data[: len(data) // 3], None
@@ -118,14 +126,14 @@ def plant_images(proj) -> dict:
     return planted
 
 
-def assert_correct_pixels(kind: str, got: np.ndarray, expected, orig: np.ndarray) -> None:
+def assert_correct_pixels(kind: str, got: np.ndarray, expected: np.ndarray, orig: np.ndarray) -> None:
     assert got.shape == orig.shape and got.dtype == np.uint8, kind
-    if expected is not None:
-        np.testing.assert_array_equal(got, expected, err_msg=kind)
+    np.testing.assert_array_equal(got, expected, err_msg=kind)
+    if not kind.startswith(("cmyk", "exif_rotated")):
         return
-    diff = np.abs(got.astype(int) - orig).mean()
-    assert diff < 6, f"{kind}: mean |difference| {diff:.1f} to the original pixels"
-    if kind == "exif_rotated":       # the stored frame, not the displayed one: boxes on disk stay valid
+    diff = np.abs(got.astype(int) - orig).mean()        # a re-encoded JPEG: close to the picture it was made of
+    assert diff < 12, f"{kind}: mean |difference| {diff:.1f} to the original pixels"
+    if kind.startswith("exif_rotated"):   # the stored frame, not the displayed one: boxes on disk stay valid
         displayed = np.asarray(Image.fromarray(orig).transpose(Image.Transpose.ROTATE_270))
         assert diff < np.abs(got.astype(int) - displayed).mean() / 3
 
@@ -172,7 +180,7 @@ def test_real_image_formats_through_every_image_reader(tiny_project, tmp_path, i
     inprocess(proj, "segments")
     seg = proj.meta("data/prepared/segments.meta.json")
     assert {s["image_id"]: s["file"] for s in seg["skipped"]} == {
-        planted[k]["docci"][0]: str(planted[k]["docci"][1]) for k in BAD}
+        planted[k]["docci"][0]: planted[k]["docci"][1].relative_to(proj.root).as_posix() for k in BAD}
     assert "decompression-bomb" in next(s["reason"] for s in seg["skipped"] if bad_docci[s["image_id"]] == "bomb")
     segments = pd.read_parquet(proj / "data/prepared/segments.parquet")
     good_ids = [planted[k]["docci"][0] for k in GOOD]
@@ -191,10 +199,12 @@ def test_real_image_formats_through_every_image_reader(tiny_project, tmp_path, i
         (2, 2, 0)
     assert sh["samples_train"] + sh["samples_val"] == ref_sh["samples_train"] + ref_sh["samples_val"] - 4
     recs = shard_records(proj)
-    for kind in GOOD:
-        for source in ("coco", "docci"):
-            rec = recs[f"{source}_{planted[kind][source][0]}"]
-            assert (rec["width"], rec["height"]) == planted[kind][source][3].shape[1::-1]   # the stored frame
+    in_shards = [(kind, source) for kind in GOOD for source in ("coco", "docci")   # DOCCI: train split only
+                 if source == "coco" or planted[kind][source][0] in train_ids]
+    assert len(in_shards) >= 7
+    for kind, source in in_shards:
+        rec = recs[f"{source}_{planted[kind][source][0]}"]
+        assert (rec["width"], rec["height"]) == planted[kind][source][3].shape[1::-1]   # the stored frame
     for kind in BAD:
         assert f"coco_{planted[kind]['coco'][0]}" not in recs and f"docci_{planted[kind]['docci'][0]}" not in recs
 
@@ -205,10 +215,9 @@ def test_real_image_formats_through_every_image_reader(tiny_project, tmp_path, i
     for _ in loader.batches(0):
         pass
     assert loader.stats["corrupt_images_skipped"] == 0
-    for kind in GOOD:
-        for source in ("coco", "docci"):
-            record, _, expected, orig = planted[kind][source]
-            assert_correct_pixels(f"{kind} ({source}, loader)", method.images[(source, str(record))], expected, orig)
+    for kind, source in in_shards:
+        record, _, expected, orig = planted[kind][source]
+        assert_correct_pixels(f"{kind} ({source}, loader)", method.images[(source, str(record))], expected, orig)
 
     # eval's reader is the same reader
     for kind in GOOD:
@@ -246,7 +255,7 @@ def test_long_multilingual_and_crowd_annotations_through_the_text_stages(tiny_pr
     cats = sorted({names[a["category_id"]] for a in inst["annotations"] if a["image_id"] == img})
     first, last = cats[0], cats[-1]
     # a 300-word caption: one category word at the start, one far beyond CLIP's 77 tokens
-    long_caption = f"A {first} " + "very " * 296 + f"near a {last}."
+    long_caption = f"A {first} " + "very " * 295 + f"near a {last}."
     assert len(long_caption.split()) == 300
     mine = [a for a in caps["annotations"] if a["image_id"] == img]
     mine[0]["caption"], mine[1]["caption"] = long_caption, f"{NON_LATIN} a {first} 🎉"
