@@ -229,8 +229,8 @@ def _decode(source, path, record, draft: bool):
         raise InputError(where, record, "image file not found") from None
     except Image.DecompressionBombError as e:      # > 2x the limit: PIL refuses at open
         raise ImageTooLarge(where, record, f"above PIL's decompression-bomb limit: {e}") from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:   # PIL's errors for corrupt/truncated/unknown data
-        raise InputError(where, record, f"unreadable image: {e}") from None
+    except Exception as e:   # noqa: BLE001 - PIL's plugins raise many types on corrupt data (OSError, SyntaxError,
+        raise InputError(where, record, f"unreadable image: {e}") from None   # EOFError, struct.error, ...)
 
 
 def _to_rgb(im):
