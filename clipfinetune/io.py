@@ -173,3 +173,79 @@ def read_jsonlines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 yield n, json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(path, f"line {n}", f"not valid JSON: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------ reading images
+class ImageTooLarge(InputError):
+    """An image above PIL's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`)."""
+
+
+def read_image(source: str | os.PathLike | bytes, path: str | os.PathLike | None = None, record: Any = None):
+    """The one way an image is opened: a decoded RGB PIL image, or an InputError naming the file and record.
+
+    - Pixels stay in the **stored frame**: an EXIF orientation tag is not applied (COCO's boxes, PIL and
+      open_clip all use the stored frame), so boxes on disk and pixels always agree.
+    - Modes: 16-bit greyscale (`I;16*`, `I`) is scaled to 8 bits (PIL's own conversion clips it to white);
+      CMYK, greyscale, palette and 1-bit go through PIL's conversion; transparency (RGBA, LA, PA, or a palette /
+      greyscale with a transparent colour) is composited onto white.
+    - Images above PIL's decompression-bomb limit are refused (`ImageTooLarge`) before any pixel is decoded;
+      truncated or corrupt files raise InputError (a truncated image is never padded with grey).
+    `source` is a path or the encoded bytes (then `path` names where they came from).
+    """
+    return _decode(source, path, record, draft=False)[0]
+
+
+def checked_image_size(source: str | os.PathLike | bytes, path: str | os.PathLike | None = None,
+                       record: Any = None) -> tuple[int, int]:
+    """(width, height) in the stored frame, after the checks and conversion `read_image` does (JPEGs decoded at
+    1/8 scale, which still reads every byte): an image this accepts, `read_image` reads."""
+    return _decode(source, path, record, draft=True)[1]
+
+
+def _decode(source, path, record, draft: bool):
+    import io as _io
+    import warnings
+
+    from PIL import Image
+
+    where = path if path is not None else "<bytes>" if isinstance(source, bytes) else source
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # refused below, with file and record
+            im = Image.open(_io.BytesIO(source) if isinstance(source, bytes) else source)
+        with im:
+            limit = Image.MAX_IMAGE_PIXELS
+            if limit and im.width * im.height > limit:
+                raise ImageTooLarge(where, record, f"{im.width}x{im.height} pixels is above PIL's decompression-"
+                                                   f"bomb limit of {limit} (PIL.Image.MAX_IMAGE_PIXELS)")
+            stored_size = im.size
+            if draft and im.format == "JPEG":
+                im.draft("RGB", (max(1, im.width // 8), max(1, im.height // 8)))
+            im.load()
+            return _to_rgb(im), stored_size
+    except InputError:
+        raise
+    except FileNotFoundError:
+        raise InputError(where, record, "image file not found") from None
+    except Image.DecompressionBombError as e:      # > 2x the limit: PIL refuses at open
+        raise ImageTooLarge(where, record, f"above PIL's decompression-bomb limit: {e}") from None
+    except Exception as e:   # noqa: BLE001 - PIL's plugins raise many types on corrupt data (OSError, SyntaxError,
+        raise InputError(where, record, f"unreadable image: {e}") from None   # EOFError, struct.error, ...)
+
+
+def _to_rgb(im):
+    import numpy as np
+    from PIL import Image
+
+    if im.mode.startswith("I;16") or im.mode == "I":
+        # 16-bit samples: keep the top 8 bits (PIL's convert("L") would clip every value above 255 to white)
+        wide = np.asarray(im, dtype=np.int64) if im.mode == "I" else np.asarray(im).astype(np.int64)
+        return Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), "L").convert("RGB")
+    if im.mode == "F":
+        return Image.fromarray(np.clip(np.asarray(im), 0, 255).astype(np.uint8), "L").convert("RGB")
+    has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+    if has_alpha:
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return im.convert("RGB")

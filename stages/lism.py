@@ -14,7 +14,6 @@ from pathlib import Path
 import _common  # noqa: F401
 import pandas as pd
 from _common import setup_logging, stage_params, stage_parser
-from PIL import Image
 
 from clipfinetune.data.lism import (
     choose_test_pair,
@@ -22,7 +21,7 @@ from clipfinetune.data.lism import (
     match_image,
     measure_against_ground_truth,
 )
-from clipfinetune.io import InputError, atomic_path, read_jsonlines, write_json, write_parquet
+from clipfinetune.io import InputError, atomic_path, read_image, read_jsonlines, write_json, write_parquet
 
 OUT = Path("data/prepared/local_pairs.parquet")
 TEST_DIR = Path("data/prepared/global_local")
@@ -76,8 +75,8 @@ def main() -> None:
                 continue
             path = images_dir / rec["image_file"]
             try:
-                image = Image.open(path).convert("RGB")
-            except (OSError, ValueError) as e:
+                image = read_image(path, record=image_id)
+            except InputError as e:
                 skipped.append({"image_id": image_id, "file": str(path), "reason": str(e)})
                 continue
             texts = by_image[image_id]["text"].tolist()

@@ -12,10 +12,9 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
 import pandas as pd
 from _common import setup_logging, stage_params, stage_parser
-from PIL import Image
 
 from clipfinetune.data.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
-from clipfinetune.io import InputError, read_jsonlines, write_json, write_parquet
+from clipfinetune.io import InputError, read_image, read_jsonlines, write_json, write_parquet
 
 OUT = Path("data/prepared/segments.parquet")
 
@@ -58,8 +57,8 @@ def main() -> None:
     rows, skipped = [], []
     for image_id, path in shard_of(items, rank, world_size):
         try:
-            image = np.asarray(Image.open(path).convert("RGB"))
-        except (OSError, ValueError) as e:
+            image = np.asarray(read_image(path, record=image_id))
+        except InputError as e:
             skipped.append({"image_id": image_id, "file": str(path), "reason": str(e)})
             log.warning("skipping unreadable image %s (%s): %s", path, image_id, e)
             continue

@@ -192,3 +192,33 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     assert (meta["n_train_images"], meta["n_test_images"]) == (1, 1)
     assert meta["other_splits"] == {"qual_dev": 1, "qual_test": 1} and not meta["skipped"]
     assert set(pd.read_parquet(tmp_path / "data/prepared/local_pairs.parquet")["image_id"]) == {"train_00000"}
+
+
+def test_match_image_forwards_at_one_thread_whatever_the_callers_count(monkeypatch):
+    """The scores are written to disk: their bits must not follow the caller's torch thread count (issue 26)."""
+    from clipfinetune.data.lism import match_image
+    from clipfinetune.models import load_model
+
+    torch.manual_seed(0)
+    model = load_model("cft-tiny-vit").eval()
+    seen = []
+    encode_image = model.encode_image
+    monkeypatch.setattr(model, "encode_image", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                encode_image(*a, **k))[1])
+    from PIL import Image
+
+    image = Image.fromarray(_scene())
+    boxes = [(10.0, 5.0, 30.0, 21.0), (50.0, 40.0, 60.0, 50.0), (0.0, 0.0, 40.0, 64.0)]
+    sentences = ["A red box.", "A blue square beside it.", "A grey wall."]
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            results[threads] = [(m.sentence_index, m.candidate, m.score)
+                                for m in match_image(model, image, sentences, boxes, batch_size=2)]
+            assert torch.get_num_threads() == threads          # the caller's count is given back
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert results[1] == results[2]

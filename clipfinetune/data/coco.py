@@ -16,7 +16,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from clipfinetune.io import InputError, decode_utf8
+from clipfinetune.io import InputError, decode_utf8, read_image
 
 
 @contextlib.contextmanager
@@ -142,14 +142,8 @@ class CocoCaptionDataset:
         return len(self.pairs)
 
     def __getitem__(self, i: int):
-        from PIL import Image
-
         path, caption = self.pairs[i]
-        try:
-            with Image.open(path) as im:
-                image = im.convert("RGB")
-        except (OSError, ValueError) as e:
-            raise InputError(path, i, f"cannot read image: {e}") from e
+        image = read_image(path, record=i)
         return self.transform(image), self.tokenize([caption])[0]
 
 

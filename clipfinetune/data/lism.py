@@ -12,9 +12,17 @@ i.e. 100 x cosine, which has the same argmax). Decisions, following GOAL's code 
 - every per-sentence match is kept in the output for analysis (`chosen` marks the training pair).
 - over-long sentences are truncated by the tokenizer (GOAL's code skips the whole image instead).
 Boxes are known (segments.parquet), so no template matching is needed to recover them.
+
+Reproducibility: the scores are written to disk, so their float bits must depend on the inputs and params only.
+Each image is encoded on its own, in batches fixed by its candidate and sentence counts and `batch_size`, and
+the forwards run with ONE torch intra-op thread (`fixed_threads`): a GEMM's or convolution's summation order
+depends on how many threads split it, and a re-run under another thread count (`OMP_NUM_THREADS`,
+`torch.set_num_threads`, MKL's dynamic threading on a busy machine) would otherwise change low bits of the
+scores, which the parquet keeps. The cost: no intra-op parallelism in LISM's CPU forwards.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,12 +71,27 @@ def embed_texts(model, texts: list[str], batch_size: int) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0)
 
 
+LISM_THREADS = 1   # see the module docstring: the forwards' float bits must not depend on the caller's threads
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int = LISM_THREADS):
+    """torch's intra-op thread count set to `n` inside the block, the caller's restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def match_image(model, image, sentences: list[str], boxes: list[tuple], batch_size: int = 64):
     """Candidates (global + crops with background) and per-sentence matches for one PIL image."""
     crops = [image.crop(tuple(round(v) for v in box)) for box in boxes]
-    candidate_emb = embed_images(model, [image, *crops], batch_size)
-    sentence_emb = embed_texts(model, sentences, batch_size)
-    return match_sentences(sentence_emb, candidate_emb)
+    with fixed_threads():
+        candidate_emb = embed_images(model, [image, *crops], batch_size)
+        sentence_emb = embed_texts(model, sentences, batch_size)
+        return match_sentences(sentence_emb, candidate_emb)
 
 
 def box_iou(a, b) -> float:

@@ -37,7 +37,6 @@ Decisions:
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -51,7 +50,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 
 from clipfinetune import boxes as boxlib
-from clipfinetune.io import InputError
+from clipfinetune.io import InputError, read_image
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +209,8 @@ class _EpochStream(IterableDataset):
             if n <= to_skip:
                 continue
             try:
-                from PIL import Image
-
-                with Image.open(io.BytesIO(jpg)) as im:
-                    image = im.convert("RGB")
-            except Exception as e:   # noqa: BLE001 - PIL raises many types on corrupt data
+                image = read_image(jpg, path=f"shard sample {key}", record=key)
+            except InputError as e:
                 stats["corrupt_images_skipped"] += 1
                 log.warning("skipping sample %s: corrupt image (%s)", key, e)
                 continue

@@ -22,7 +22,6 @@ as they are. Decisions:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 from collections import Counter, defaultdict
@@ -31,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from clipfinetune.data import coco as cocoio
-from clipfinetune.io import InputError
+from clipfinetune.io import ImageTooLarge, InputError, checked_image_size
 
 SPLITS = ("train", "val")
 REQUIRED = {
@@ -150,18 +149,6 @@ def docci_records(docci: list[dict], images_dir, sentences: pd.DataFrame, local_
     return out
 
 
-def check_image(data: bytes) -> tuple[int, int]:
-    """(width, height) of an encoded image after decoding it (JPEG at draft scale); raises on corruption."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        size = im.size
-        if im.format == "JPEG":
-            im.draft("RGB", (max(1, size[0] // 8), max(1, size[1] // 8)))
-        im.load()
-    return size
-
-
 def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: int, val_fraction: float,
                  counts: Counter) -> dict:
     """Write {train,val}-%06d.tar + sizes.json into out_dir; returns {split: {shard name: count}}."""
@@ -183,9 +170,12 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
             except OSError:
                 counts["images_skipped_missing"] += 1
                 continue
-            try:
-                size = check_image(data)
-            except Exception:   # noqa: BLE001 - PIL raises many types on a corrupt file
+            try:     # what the loader will decode (clipfinetune.io.read_image), checked once here
+                size = checked_image_size(data, r["path"], r["key"])
+            except ImageTooLarge:
+                counts["images_skipped_too_large"] += 1
+                continue
+            except InputError:
                 counts["images_skipped_corrupt"] += 1
                 continue
             if r["size"] is not None and tuple(size) != tuple(r["size"]):
@@ -230,7 +220,8 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
     with atomic_path(out_dir, is_dir=True) as tmp:
         os.chmod(tmp, 0o755)        # mkdtemp's 0700 would make the shards private to this user
         sizes = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
-        for key in ("images_skipped_missing", "images_skipped_corrupt", "images_skipped_size_mismatch",
+        for key in ("images_skipped_missing", "images_skipped_corrupt", "images_skipped_too_large",
+                    "images_skipped_size_mismatch",
                     "samples_train", "samples_val", "word_regions_stale_dropped", "negatives_stale_dropped",
                     "negatives_unmatched_image_dropped", "local_pair_global_wins", "local_pair_stale_dropped",
                     "docci_without_sentences", "docci_empty_long_caption_skipped", "empty_captions_skipped"):

@@ -16,20 +16,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from clipfinetune.boxes import resize_boxes
-from clipfinetune.io import InputError
+from clipfinetune.io import InputError, read_image
 
 ImageKey = tuple  # (path: str, crop: tuple[float, float, float, float] | None)
 
 
 def load_image(path: str | os.PathLike, crop=None, record=None) -> Image.Image:
     """RGB PIL image, optionally cropped to an xyxy box in original pixels; clear error if missing."""
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-    except FileNotFoundError:
-        raise InputError(path, record, "image file not found") from None
-    except OSError as e:
-        raise InputError(path, record, f"unreadable image: {e}") from None
+    im = read_image(path, record=record)
     if crop is not None:
         im = im.crop(tuple(round(float(v)) for v in crop))
     return im

@@ -16,15 +16,13 @@ from pathlib import Path
 import torch
 
 from clipfinetune.data.coco import captions_by_image, images_by_id, load_json
-from clipfinetune.io import InputError
+from clipfinetune.io import InputError, read_image
 
 
 class CaptionPairSource:
     def __init__(self, captions_json: str | os.PathLike, images_dir: str | os.PathLike,
                  transform: Callable, tokenize: Callable, batch_size: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1):
-        from PIL import Image
-
         coco = load_json(captions_json)
         images = images_by_id(coco, captions_json)
         captions = captions_by_image(coco, captions_json)
@@ -37,11 +35,7 @@ class CaptionPairSource:
         pixels, token_sets = [], []
         for image_id in self.image_ids:
             path = Path(images_dir) / images[image_id]["file_name"]
-            try:
-                with Image.open(path) as im:
-                    pixels.append(transform(im.convert("RGB")))
-            except (OSError, ValueError) as e:
-                raise InputError(path, image_id, f"cannot read image: {e}") from e
+            pixels.append(transform(read_image(path, record=image_id)))
             token_sets.append(tokenize([text for _, text in captions[image_id]]))
         self.images = torch.stack(pixels)
         self.counts = torch.tensor([len(t) for t in token_sets])

@@ -9,6 +9,7 @@ stage's own `main()` with `_common.ROOT` pointed at the copy) when the test only
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -76,6 +77,22 @@ def run_stage(root: Path, stage: str, timeout: float = 120, check: bool = True) 
     if check and proc.returncode != 0:
         raise AssertionError(f"stage {stage} failed in {root}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+# a process that keeps one core busy and ends by itself after `seconds` (so nothing outlives a killed test run)
+SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_cores(seconds: float = 300.0):
+    """The machine kept busy for the block: one spinning process per core (at normal priority), each bounded to
+    `seconds`, and all of them killed (by pid) when the block ends."""
+    spinners = [subprocess.Popen([PY, "-c", SPIN, str(seconds)]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield len(spinners)
+    finally:
+        for p in spinners:
+            kill(p)
 
 
 def kill(proc: subprocess.Popen) -> None:
