@@ -66,7 +66,9 @@ def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped
     if task == "winoground":
         return comp.evaluate_winoground(enc, comp.read_winoground(cfg["dir"]), items)
     if task == "zeroshot":
-        return zeroshot.evaluate_zeroshot(enc, zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test")), items)
+        name = where.rsplit(".", 1)[-1]        # a multi-dataset templates.json is keyed by the set's name
+        data = zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test"), cfg.get("templates_key", name))
+        return zeroshot.evaluate_zeroshot(enc, data, items)
     raise ValueError(f"unknown evaluation task {task!r}")
 
 
