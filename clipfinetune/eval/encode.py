@@ -1,12 +1,16 @@
 """Batched, cached access to a model through the DEVELOPERS.md model API, and image loading.
 
-Everything the evaluation asks of a model goes through `Encoder`: `transform`, `tokenize`,
-`encode_image`, `encode_text`, `region_features` (and `image_size` for box conversion). Embeddings
-are cached per image (path + crop box) and per text for one run, so benchmarks that share the val
-images (retrieval, SugarCrepe, ...) encode each image once.
+Everything the evaluation asks of a model goes through `Encoder`: `transform` / `eval_transform(resize_mode)`,
+`tokenize`, `encode_image`, `encode_text`, `region_features` (and `image_size` for box conversion). Embeddings
+are cached per resize mode and image (path + crop box) and per text for one run, so benchmarks that share the
+val images and the protocol (retrieval, SugarCrepe, ...) encode each image once.
+
+Each benchmark resizes as its official script does (`PROTOCOL_RESIZE`, the one map; the suite hands every
+benchmark `encoder.with_resize(PROTOCOL_RESIZE[task])`). On square images both modes give the same tensor.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +23,14 @@ from clipfinetune.boxes import resize_boxes
 from clipfinetune.io import InputError, read_image
 
 ImageKey = tuple  # (path: str, crop: tuple[float, float, float, float] | None)
+
+# Resize of each benchmark's official protocol. open_clip's preprocess (short side to the input size, then centre
+# crop: "shortest") in the retrieval (CLIP_benchmark, open_clip, GOAL's retrieval_goal.py / mAP script, Long-CLIP),
+# zero-shot (open_clip, CLIP_benchmark) and compositionality (SugarCrepe, ARO, VALSE, Winoground) scripts;
+# FineCLIP's box classification squash-resizes (`Resize((s, s))`, METHODS.md §1.3), so boxes map by scaling.
+PROTOCOL_RESIZE = {"retrieval": "shortest", "long_retrieval": "shortest", "global_local": "shortest",
+                   "box_cls": "squash", "box_cls_hard": "squash", "sugarcrepe": "shortest", "aro": "shortest",
+                   "valse": "shortest", "winoground": "shortest", "zeroshot": "shortest"}
 
 
 def load_image(path: str | os.PathLike, crop=None, record=None) -> Image.Image:
@@ -73,10 +85,24 @@ class ImageResolver:
 class Encoder:
     """Normalised embeddings of images, texts and boxes, batched under inference_mode."""
 
-    def __init__(self, model, batch_size: int = 128):
+    def __init__(self, model, batch_size: int = 128, resize_mode: str = "squash"):
         self.model, self.batch_size = model, int(batch_size)
-        self._images: dict = {}
+        self._by_mode: dict[str, dict] = {}       # resize mode -> image cache, shared by `with_resize` views
         self._texts: dict = {}
+        self._set_resize(resize_mode)
+
+    def _set_resize(self, resize_mode: str) -> None:
+        self.resize_mode = resize_mode
+        self.transform = self.model.transform if resize_mode == "squash" else self.model.eval_transform(resize_mode)
+        self._images = self._by_mode.setdefault(resize_mode, {})
+
+    def with_resize(self, resize_mode: str) -> "Encoder":
+        """A view of this encoder whose images use `resize_mode`; text and image caches are shared."""
+        if resize_mode == self.resize_mode:
+            return self
+        view = copy.copy(self)
+        view._set_resize(resize_mode)
+        return view
 
     def _device(self):
         try:
@@ -91,7 +117,7 @@ class Encoder:
         todo = list(dict.fromkeys(k for k in keys if k not in self._images))
         for s in range(0, len(todo), self.batch_size):
             chunk = todo[s:s + self.batch_size]
-            x = torch.stack([self.model.transform(load_image(p, c)) for p, c in chunk]).to(self._device())
+            x = torch.stack([self.transform(load_image(p, c)) for p, c in chunk]).to(self._device())
             emb = F.normalize(self.model.encode_image(x, normalize=True).float(), dim=-1).cpu()
             self._images.update(zip(chunk, emb))
         return torch.stack([self._images[k] for k in keys]) if keys else torch.zeros(0, 0)
@@ -112,7 +138,8 @@ class Encoder:
     def regions(self, images: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
         """images: (path, boxes [n, 4] xyxy in ORIGINAL pixels) -> [sum n, D] normalised region features.
 
-        Boxes are mapped to the model's input pixels once, with `clipfinetune.boxes.resize_boxes`.
+        Boxes are mapped to the model's input pixels once, with `clipfinetune.boxes.resize_boxes`: the image is
+        always squash-resized here (the model's `transform`, FineCLIP's protocol), whatever `resize_mode` says.
         """
         out = []
         size = self.model.image_size

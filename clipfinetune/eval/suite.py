@@ -18,7 +18,7 @@ from pathlib import Path
 
 from clipfinetune.eval import aro_order, box_cls, global_local, long_retrieval, retrieval, zeroshot
 from clipfinetune.eval import compositionality as comp
-from clipfinetune.eval.encode import Encoder
+from clipfinetune.eval.encode import PROTOCOL_RESIZE, Encoder
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_m
                 continue
             t0 = time.perf_counter()
             found: list = []
-            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed, cache_dir, found)
+            res = run_benchmark(task, dict(cfg), enc.with_resize(PROTOCOL_RESIZE[task]), text_enc, skipped, where,
+                                aro_seed, cache_dir, found)
             if items is not None:
                 items.extend((where, it) for it in found)
             log.info("%s: %.1fs %s", where, time.perf_counter() - t0,

@@ -48,6 +48,16 @@ class ClipModel(nn.Module):
             tuple(clip.visual.image_size), is_train=False, mean=tuple(preprocess["mean"]),
             std=tuple(preprocess["std"]), resize_mode="squash", interpolation=self.preprocess_cfg["interpolation"])
 
+    def eval_transform(self, resize_mode: str = "squash"):
+        """The model's preprocess with another resize: "squash" (= `transform`), or open_clip's "shortest" (short
+        side to the input size, then centre crop: the official retrieval / zero-shot / compositionality scripts)."""
+        if resize_mode == "squash":
+            return self.transform
+        cfg = self.preprocess_cfg
+        return open_clip.image_transform(tuple(cfg["size"]), is_train=False, mean=tuple(cfg["mean"]),
+                                         std=tuple(cfg["std"]), resize_mode=resize_mode,
+                                         interpolation=cfg["interpolation"])
+
     # ---- geometry and tokenizer -------------------------------------------------------------------
     @property
     def image_size(self) -> int:
