@@ -275,3 +275,25 @@ def test_goal_crops_sharing_a_file_name_resolve_by_relative_path_or_fail(tmp_pat
     write_image(flat / "original_image.jpg", 1)
     with pytest.raises(InputError, match=r"docci_test\.json.*ambiguous"):
         long_retrieval.read_goal_list(goal, flat)
+
+
+def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_matches(tmp_path):
+    from clipfinetune.eval import global_local
+
+    images = tmp_path / "images"
+    write_image(images / "a.jpg", 1)
+    write_image(images / "b.jpg", 2)
+    write_image(images / "original_image.jpg", 3)          # the crops' folders are not under the images root
+    joint = tmp_path / "lists" / "joint_test.json"
+    joint.parent.mkdir()
+    joint.write_text(json.dumps(
+        [{"filename": f"chage/path/{s}.jpg", "caption": f"global {s}"} for s in ("a", "b")]
+        + [{"filename": f"chage/path/{s}.jpg_results/original_image.jpg", "caption": f"local {s}"}
+           for s in ("a", "b")]))
+    with pytest.raises(InputError, match=r"joint_test\.json.*ambiguous"):
+        global_local.read_joint_list(joint, images)
+    for s, k in (("a", 4), ("b", 5)):
+        write_image(images / f"{s}.jpg_results" / "original_image.jpg", k)
+    records = global_local.read_joint_list(joint, images)
+    assert [r.image[0] for r in records if r.is_local] == \
+        [str(images / f"{s}.jpg_results" / "original_image.jpg") for s in ("a", "b")]
