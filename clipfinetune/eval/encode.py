@@ -96,7 +96,7 @@ class Encoder:
         self.transform = self.model.transform if resize_mode == "squash" else self.model.eval_transform(resize_mode)
         self._images = self._by_mode.setdefault(resize_mode, {})
 
-    def with_resize(self, resize_mode: str) -> "Encoder":
+    def with_resize(self, resize_mode: str) -> Encoder:
         """A view of this encoder whose images use `resize_mode`; text and image caches are shared."""
         if resize_mode == self.resize_mode:
             return self
