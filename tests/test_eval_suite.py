@@ -218,7 +218,8 @@ def test_shortest_and_squash_differ_on_non_square_images_and_match_torchvision(t
 
 
 def test_square_world_metrics_unchanged_by_protocol_resize(bench, monkeypatch):
-    """The sample world's images are square: every metric equals the all-squash evaluation's."""
+    """On square images (this fixture world, as the sample world's whole images) every metric equals the all-squash
+    evaluation's (the sample world's ARO box crops are not square; the official protocol centre-crops them)."""
     from fixtures.methods import tiny_model
 
     from clipfinetune.eval import encode
