@@ -1,5 +1,6 @@
 """Readers of the real formats (BENCHMARKS §8 fixtures) and the ARO / VALSE filters, hand-computed."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,9 +8,10 @@ from fixtures.eval import world
 from fixtures.eval.fakes import FakeModel, write_image
 from PIL import Image
 
-from clipfinetune.eval import aro_order, box_cls, long_retrieval, retrieval
+from clipfinetune.eval import aro_order, box_cls, long_retrieval, retrieval, suite, zeroshot
 from clipfinetune.eval import compositionality as comp
 from clipfinetune.eval.encode import Encoder
+from clipfinetune.io import InputError
 
 
 def test_flickr_txt_keeps_commas_and_groups_by_first_appearance(tmp_path):
@@ -199,3 +201,99 @@ def test_order_argmax_first_maximum_wins():
                   [0.4, 0.5, 0.1, 0.1, 0.1],
                   [0.9, 0.1, 0.2, 0.3, 0.4]])
     assert aro_order.order_correct(s).tolist() == [True, False, True]
+
+
+# ---- released forms (issue #24): Winoground stems, CLIP_benchmark templates, DOCCI qual_test, GOAL crop names
+def test_winoground_released_examples_name_images_by_stem_in_images_folder(tmp_path):
+    """HF facebook/winoground `data/examples.jsonl` + `data/images/ex_<id>_img_<k>.png` (images.zip)."""
+    for ex in (0, 1):
+        for k in (0, 1):
+            write_image(tmp_path / "images" / f"ex_{ex}_img_{k}.png", 10 * ex + k + 1)
+    (tmp_path / "examples.jsonl").write_text("".join(json.dumps(
+        {"id": ex, "image_0": f"ex_{ex}_img_0", "image_1": f"ex_{ex}_img_1",
+         "caption_0": "an old person kisses a young person", "caption_1": "a young person kisses an old person",
+         "tag": "Noun", "secondary_tag": "", "num_main_preds": 1, "collapsed_tag": "Object"}) + "\n" for ex in (0, 1)))
+    data = comp.read_winoground(tmp_path)
+    assert [r["images"] for r in data] == [[str(tmp_path / "images" / f"ex_{ex}_img_{k}.png") for k in (0, 1)]
+                                          for ex in (0, 1)]
+    (tmp_path / "images" / "ex_1_img_1.png").unlink()
+    with pytest.raises(InputError, match="ex_1_img_1"):
+        comp.read_winoground(tmp_path)
+
+
+def clip_benchmark_templates():
+    """The shape of CLIP_benchmark's `en_zeroshot_classification_templates.json`: dataset -> templates."""
+    return {"cifar10": [f"a photo of a {{c}} ({i})." for i in range(18)],
+            "imagenet1k": ["a bad photo of a {c}.", "a sculpture of a {c}.", "itap of a {c}."],
+            "cars": ["a photo of a {c}, a type of car."]}
+
+
+def test_zeroshot_multi_dataset_templates_take_the_named_dataset(tmp_path):
+    cfg = world.build(tmp_path)["zeroshot"]["sample"]
+    zs = Path(cfg["dir"])
+    (zs / "templates.txt").unlink()
+    (zs / "templates.json").write_text(json.dumps(clip_benchmark_templates()))
+    assert zeroshot.read_image_folder(zs, templates_key="imagenet1k").templates == \
+        clip_benchmark_templates()["imagenet1k"]
+    with pytest.raises(InputError, match=r"templates\.json.*'sample'"):
+        zeroshot.read_image_folder(zs, templates_key="sample")
+
+
+def test_zeroshot_suite_keys_templates_by_set_name_or_templates_key(tmp_path, monkeypatch):
+    cfg = world.build(tmp_path)["zeroshot"]["sample"]
+    zs = Path(cfg["dir"])
+    (zs / "templates.txt").unlink()
+    (zs / "templates.json").write_text(json.dumps(clip_benchmark_templates()))
+    seen = {}
+    monkeypatch.setattr(zeroshot, "evaluate_zeroshot", lambda enc, data, items: seen.setdefault("t", data.templates))
+    suite.run_benchmark("zeroshot", {"dir": str(zs)}, None, None, {}, "zeroshot.cars")
+    assert seen.pop("t") == clip_benchmark_templates()["cars"]
+    suite.run_benchmark("zeroshot", {"dir": str(zs), "templates_key": "cifar10"}, None, None, {}, "zeroshot.mine")
+    assert len(seen.pop("t")) == 18
+    with pytest.raises(InputError, match="templates.json"):
+        suite.run_benchmark("zeroshot", {"dir": str(zs)}, None, None, {}, "zeroshot.mine")
+
+
+def test_docci_splits_option_adds_qual_test_in_file_order(tmp_path):
+    cfg = world.build(tmp_path)["long_retrieval"]["sample"]
+    d = long_retrieval.load_long_set(dict(cfg, splits=["test", "qual_test"]))
+    assert [p.split("/")[-1] for p in d.images] == ["test_00000.png", "test_00001.png", "qual_test_00000.png"]
+    assert len(long_retrieval.load_long_set(cfg).images) == 2          # default unchanged
+
+
+def test_goal_crops_sharing_a_file_name_resolve_by_relative_path_or_fail(tmp_path):
+    """GOAL lists name crops `<stem>.jpg_results/original_image.jpg` behind a placeholder prefix."""
+    root = tmp_path / "crops"
+    for stem, k in (("a", 1), ("b", 2)):
+        write_image(root / f"{stem}.jpg_results" / "original_image.jpg", k)
+    goal = tmp_path / "docci_test.json"
+    goal.write_text(json.dumps([{"filename": f"chage/path/to/{s}.jpg_results/original_image.jpg", "caption": s}
+                                for s in ("a", "b")]))
+    d = long_retrieval.read_goal_list(goal, root)
+    assert d.images == [str(root / f"{s}.jpg_results" / "original_image.jpg") for s in ("a", "b")]
+    flat = tmp_path / "flat"                             # only the file name can match: ambiguous
+    write_image(flat / "original_image.jpg", 1)
+    with pytest.raises(InputError, match=r"docci_test\.json.*ambiguous"):
+        long_retrieval.read_goal_list(goal, flat)
+
+
+def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_matches(tmp_path):
+    from clipfinetune.eval import global_local
+
+    images = tmp_path / "images"
+    write_image(images / "a.jpg", 1)
+    write_image(images / "b.jpg", 2)
+    write_image(images / "original_image.jpg", 3)          # the crops' folders are not under the images root
+    joint = tmp_path / "lists" / "joint_test.json"
+    joint.parent.mkdir()
+    joint.write_text(json.dumps(
+        [{"filename": f"chage/path/{s}.jpg", "caption": f"global {s}"} for s in ("a", "b")]
+        + [{"filename": f"chage/path/{s}.jpg_results/original_image.jpg", "caption": f"local {s}"}
+           for s in ("a", "b")]))
+    with pytest.raises(InputError, match=r"joint_test\.json.*ambiguous"):
+        global_local.read_joint_list(joint, images)
+    for s, k in (("a", 4), ("b", 5)):
+        write_image(images / f"{s}.jpg_results" / "original_image.jpg", k)
+    records = global_local.read_joint_list(joint, images)
+    assert [r.image[0] for r in records if r.is_local] == \
+        [str(images / f"{s}.jpg_results" / "original_image.jpg") for s in ("a", "b")]

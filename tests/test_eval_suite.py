@@ -179,3 +179,53 @@ def test_items_have_unique_stable_ids_that_pair_two_models(bench):
     assert frame_a[key].sort_values(key).reset_index(drop=True).equals(frame_b[key].sort_values(key).reset_index(drop=True))
     sc = frame_a[frame_a["benchmark"] == "compositionality.sugarcrepe.sample"]
     assert set(sc["part"]) == {"swap_att", "add_obj"} and sc["value"].eq(1.0).all()
+
+
+# ---- per-protocol resize (issue #24): open_clip's short side + centre crop, FineCLIP's squash for boxes
+def test_each_benchmark_gets_its_protocols_resize(bench, monkeypatch):
+    from clipfinetune.eval import suite
+
+    seen = {}
+    monkeypatch.setattr(suite, "run_benchmark",
+                        lambda task, cfg, enc, *a, **k: seen.setdefault(task, enc.resize_mode) and {})
+    evaluate_model(perfect_model(), dict(bench, box_cls_hard=bench["box_cls"]))
+    squash = {"box_cls", "box_cls_hard"}
+    assert seen == {task: "squash" if task in squash else "shortest" for task in suite.TASKS}
+
+
+def test_shortest_and_squash_differ_on_non_square_images_and_match_torchvision(tmp_path):
+    import torch
+    from fixtures.methods import random_image, tiny_model
+    from torchvision import transforms as T
+
+    from clipfinetune.eval.encode import Encoder
+
+    model = tiny_model()
+    s, cfg = model.image_size, model.preprocess_cfg
+    wide = random_image(3, 3 * s, s)                       # non-square: the crop keeps the middle third
+    by_hand = T.Compose([T.Resize(s, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(s), T.ToTensor(),
+                         T.Normalize(cfg["mean"], cfg["std"])])(wide)
+    torch.testing.assert_close(model.eval_transform("shortest")(wide), by_hand)
+    assert not torch.allclose(model.eval_transform("squash")(wide), by_hand, atol=1e-2)
+    wide.save(tmp_path / "wide.png")
+    square = random_image(4, 2 * s, 2 * s)
+    square.save(tmp_path / "square.png")
+    enc = Encoder(model, 4)
+    keys = [(str(tmp_path / "wide.png"), None), (str(tmp_path / "square.png"), None)]
+    squashed, cropped = enc.images(keys), enc.with_resize("shortest").images(keys)
+    assert not torch.allclose(squashed[0], cropped[0], atol=1e-4)
+    assert torch.equal(squashed[1], cropped[1])            # square: both protocols give the same embedding
+
+
+def test_square_world_metrics_unchanged_by_protocol_resize(bench, monkeypatch):
+    """On square images (this fixture world, as the sample world's whole images) every metric equals the all-squash
+    evaluation's (the sample world's ARO box crops are not square; the official protocol centre-crops them)."""
+    from fixtures.methods import tiny_model
+
+    from clipfinetune.eval import encode
+
+    model = tiny_model()
+    protocol = evaluate_model(model, bench, batch_size=4)
+    monkeypatch.setattr(encode, "PROTOCOL_RESIZE", dict.fromkeys(encode.PROTOCOL_RESIZE, "squash"))
+    monkeypatch.setattr("clipfinetune.eval.suite.PROTOCOL_RESIZE", encode.PROTOCOL_RESIZE)
+    assert evaluate_model(model, bench, batch_size=4) == protocol

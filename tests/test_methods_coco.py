@@ -245,3 +245,42 @@ def test_micro_batches_of_different_text_lengths_concatenate(tiny, name):
     merged = merge_features(parts, 1, True)
     assert all(v.shape[0] == 4 for v in merged.values() if v.ndim > 0)
     assert all(torch.isfinite(t) for t in method.loss()(merged).values())
+
+
+def lexeme_region_grads(model, lexeme_projection_grad):
+    """Backward of L_LRC alone; returns (text projection grad, text transformer grads)."""
+    method = get_method("harmoclip")(lambda_gr=0.0, lexeme_projection_grad=lexeme_projection_grad)
+    module = method.build(model)
+    terms = method.loss()(module(batch_of(method, model, FixedNegativesContext(model))))
+    terms["lexeme_region"].backward()
+    return model.clip.text_projection.grad, [p.grad for p in model.clip.transformer.parameters()]
+
+
+def test_harmoclip_word_features_default_keep_lrc_gradient_out_of_text_projection(tiny):
+    grad, transformer_grads = lexeme_region_grads(copy.deepcopy(tiny), lexeme_projection_grad=False)
+    assert grad is None or not bool(grad.abs().sum() > 0)       # eqs. 3-4: the projection gets no L_LRC gradient
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in transformer_grads)
+
+
+def test_harmoclip_projected_word_features_option_trains_text_projection(tiny):
+    grad, _ = lexeme_region_grads(copy.deepcopy(tiny), lexeme_projection_grad=True)
+    assert grad is not None and bool(grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("lexeme_projection_grad", [False, True])
+def test_harmoclip_word_features_match_float64_eqs_3_4(tiny, lexeme_projection_grad):
+    """Same values either way: the word tokens' states after ln_final, mapped by the text projection (reference)."""
+    from reference import harmoclip_reference as ref
+
+    from clipfinetune.losses.harmoclip import lexeme_features
+
+    method = get_method("harmoclip")(lambda_gr=0.0, lexeme_projection_grad=lexeme_projection_grad)
+    model = copy.deepcopy(tiny)
+    batch = batch_of(method, model, FixedNegativesContext(model))
+    features = method.build(model)(batch)
+    with torch.no_grad():
+        normed = model.clip.ln_final(model.text_features(batch["text"], trim=False)["hidden"])
+    got = lexeme_features(features["text_tokens"], features["word_mask"])
+    for i in range(len(batch["text"])):
+        want = ref.lexeme_from_hidden(normed, model.clip.text_projection.detach(), batch["word_mask"], i)
+        torch.testing.assert_close(got[i].double(), want / want.norm(), atol=1e-5, rtol=1e-5)

@@ -135,3 +135,17 @@ def test_a_mix_of_mulclip_terms_only_freezes_the_unused_logit_scale(tiny):
     module = custom.build(model)
     assert not model.clip.logit_scale.requires_grad
     assert all(p.requires_grad for p in module.parts["mulclip"].new_modules.heads["global"].parameters())
+
+
+def test_custom_harmoclip_lexeme_region_keeps_its_gradient_out_of_the_text_projection(tiny):
+    """The shared-feature memo passes HarmoCLIP's detached token projection through (eqs. 3-4 in a mix too)."""
+    custom = get_method("custom")(terms={"clip.contrastive": 0, "harmoclip.lexeme_region": 1.0})
+    model = copy.deepcopy(tiny)
+    module, loss = custom.build(model), custom.loss()
+    batch = collate_examples(custom, [coco_record(i) for i in range(4)],
+                             FixedNegativesContext(model, reversed_and_recoloured))
+    out = loss(module(batch))
+    out["harmoclip.lexeme_region"].backward()
+    grad = model.clip.text_projection.grad
+    assert grad is None or not grad.any()
+    assert any(p.grad is not None and p.grad.any() for p in model.clip.transformer.parameters())

@@ -43,6 +43,9 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     merged = yaml.safe_load(text)
     assert merged["model"]["name"] == "ViT-B-16" and merged["model"]["pretrained"] == "openai"
     assert merged["train"]["goal"]["wd"] == 0.05 and merged["train"]["mulclip"]["new_module_lr"] == 2e-4
+    mulclip = merged["train"]["mulclip"]                                   # MulCLIP §4.1 "Training setting"
+    assert (mulclip["epochs"], mulclip["wd"], mulclip["warmup"], mulclip["lr"]) == (8, 0.05, 200, 1e-5)
+    assert merged["loss"]["lexeme_projection_grad"] is False               # HarmoCLIP eqs. 3-4
     assert merged["eval"]["benchmarks"]["retrieval"]["real"]["karpathy"].endswith("dataset_coco.json")
     assert merged["eval"]["benchmarks"]["retrieval"]["sample"]             # the sample sets are kept
     assert merged["sample"] == yaml.safe_load((ROOT / "params.yaml").read_text())["sample"]

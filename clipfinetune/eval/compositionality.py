@@ -185,9 +185,26 @@ def evaluate_valse(encoder: Encoder, data: dict[str, list[dict]], items: list | 
 
 
 # ---------------------------------------------------------------- Winoground
+WINOGROUND_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+def winoground_image(directory: Path, name: str, record) -> str:
+    """The released `examples.jsonl` names images by stem ("ex_0_img_0"), files in `images/<stem>.png`;
+    a name with an extension is taken as given. Looked up in `images/`, then beside the jsonl."""
+    names = [name] if Path(name).suffix.lower() in WINOGROUND_IMAGE_SUFFIXES else \
+        [name + s for s in WINOGROUND_IMAGE_SUFFIXES] + [name]
+    tried = []
+    for root in (directory / "images", directory):
+        for n in names:
+            tried.append(root / n)
+            if tried[-1].is_file():
+                return str(tried[-1])
+    raise InputError(tried[0], record, f"Winoground image not found (also tried {[str(p) for p in tried[1:]]})")
+
+
 def read_winoground(directory) -> list[dict]:
-    """Offline form: `examples.jsonl` ({id, caption_0, caption_1, [image_0, image_1 file names]}) and
-    images `ex_<id>_img_{0,1}.png` beside it."""
+    """Released form: `examples.jsonl` ({id, caption_0, caption_1, image_0, image_1 (stems without extension),
+    tag, ...}) with the images in `images/<stem>.png`; without image_k the fixture name `ex_<id>_img_<k>`."""
     d = Path(directory)
     f = d / "examples.jsonl"
     if not f.is_file():
@@ -197,9 +214,9 @@ def read_winoground(directory) -> list[dict]:
         if not line.strip():
             continue
         r = json.loads(line)
-        imgs = [r.get(f"image_{k}") if isinstance(r.get(f"image_{k}"), str) else f"ex_{r['id']}_img_{k}.png"
+        imgs = [r.get(f"image_{k}") if isinstance(r.get(f"image_{k}"), str) else f"ex_{r['id']}_img_{k}"
                 for k in (0, 1)]
-        out.append({"id": str(r["id"]), "images": [resolve_image(i, d, r["id"]) for i in imgs],
+        out.append({"id": str(r["id"]), "images": [winoground_image(d, i, r["id"]) for i in imgs],
                     "captions": [r["caption_0"], r["caption_1"]]})
     return out
 

@@ -1,12 +1,16 @@
 """Batched, cached access to a model through the DEVELOPERS.md model API, and image loading.
 
-Everything the evaluation asks of a model goes through `Encoder`: `transform`, `tokenize`,
-`encode_image`, `encode_text`, `region_features` (and `image_size` for box conversion). Embeddings
-are cached per image (path + crop box) and per text for one run, so benchmarks that share the val
-images (retrieval, SugarCrepe, ...) encode each image once.
+Everything the evaluation asks of a model goes through `Encoder`: `transform` / `eval_transform(resize_mode)`,
+`tokenize`, `encode_image`, `encode_text`, `region_features` (and `image_size` for box conversion). Embeddings
+are cached per resize mode and image (path + crop box) and per text for one run, so benchmarks that share the
+val images and the protocol (retrieval, SugarCrepe, ...) encode each image once.
+
+Each benchmark resizes as its official script does (`PROTOCOL_RESIZE`, the one map; the suite hands every
+benchmark `encoder.with_resize(PROTOCOL_RESIZE[task])`). On square images both modes give the same tensor.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +24,14 @@ from clipfinetune.io import InputError, read_image
 
 ImageKey = tuple  # (path: str, crop: tuple[float, float, float, float] | None)
 
+# Resize of each benchmark's official protocol. open_clip's preprocess (short side to the input size, then centre
+# crop: "shortest") in the retrieval (CLIP_benchmark, open_clip, GOAL's retrieval_goal.py / mAP script, Long-CLIP),
+# zero-shot (open_clip, CLIP_benchmark) and compositionality (SugarCrepe, ARO, VALSE, Winoground) scripts;
+# FineCLIP's box classification squash-resizes (`Resize((s, s))`, METHODS.md §1.3), so boxes map by scaling.
+PROTOCOL_RESIZE = {"retrieval": "shortest", "long_retrieval": "shortest", "global_local": "shortest",
+                   "box_cls": "squash", "box_cls_hard": "squash", "sugarcrepe": "shortest", "aro": "shortest",
+                   "valse": "shortest", "winoground": "shortest", "zeroshot": "shortest"}
+
 
 def load_image(path: str | os.PathLike, crop=None, record=None) -> Image.Image:
     """RGB PIL image, optionally cropped to an xyxy box in original pixels; clear error if missing."""
@@ -30,27 +42,67 @@ def load_image(path: str | os.PathLike, crop=None, record=None) -> Image.Image:
 
 
 def resolve_image(name: str, root: str | os.PathLike | None, record=None) -> str:
-    """Find an image named in an annotation file: `root/name`, else `name` as given, else
-    `root/<basename>` (for lists that ship a placeholder prefix, e.g. GOAL's "chage/path/to/...")."""
+    """Find an image named in an annotation file: `root/name`, else `name` as given, else the name's trailing
+    path under `root`, longest first (`root/b/c.jpg`, then `root/c.jpg` for "a/b/c.jpg"): lists that ship a
+    placeholder prefix (GOAL's "chage/path/to/...") keep their distinguishing folders, so crops that share a
+    file name in their own folders stay apart. A whole list checks for collisions with `ImageResolver`."""
     candidates = []
     if root:
         candidates.append(Path(root) / name)
     candidates.append(Path(name))
     if root:
-        candidates.append(Path(root) / Path(name).name)
+        parts = Path(name).parts
+        candidates += [Path(root).joinpath(*parts[k:]) for k in range(1, len(parts))]
     for c in candidates:
         if c.is_file():
             return str(c)
     raise InputError(candidates[0], record, f"image not found (also tried {[str(c) for c in candidates[1:]]})")
 
 
+class AmbiguousImageName(InputError):
+    """Two names of one list resolve to the same file (never swallowed by a caller trying other roots)."""
+
+
+class ImageResolver:
+    """`resolve_image` over one annotation list that refuses ambiguity: two different names of the list that
+    land on the same file (e.g. crops all named `original_image.jpg` in their own folders, found by file name
+    alone because their folders are not under the images root) are an error naming the list and both records."""
+
+    def __init__(self, list_path):
+        self.list_path = list_path
+        self._seen: dict[str, tuple[str, object]] = {}     # resolved file -> (name, record) that first reached it
+
+    def __call__(self, name: str, root, record=None) -> str:
+        found = resolve_image(name, root, record)
+        first = self._seen.setdefault(found, (name, record))
+        if first[0] != name:
+            raise AmbiguousImageName(self.list_path, record,
+                             f"{name!r} and {first[0]!r} (record {first[1]}) both resolve to {found}: ambiguous "
+                             f"file name; point the images root at the folder that holds their own sub-folders")
+        return found
+
+
 class Encoder:
     """Normalised embeddings of images, texts and boxes, batched under inference_mode."""
 
-    def __init__(self, model, batch_size: int = 128):
+    def __init__(self, model, batch_size: int = 128, resize_mode: str = "squash"):
         self.model, self.batch_size = model, int(batch_size)
-        self._images: dict = {}
+        self._by_mode: dict[str, dict] = {}       # resize mode -> image cache, shared by `with_resize` views
         self._texts: dict = {}
+        self._set_resize(resize_mode)
+
+    def _set_resize(self, resize_mode: str) -> None:
+        self.resize_mode = resize_mode
+        self.transform = self.model.transform if resize_mode == "squash" else self.model.eval_transform(resize_mode)
+        self._images = self._by_mode.setdefault(resize_mode, {})
+
+    def with_resize(self, resize_mode: str) -> Encoder:
+        """A view of this encoder whose images use `resize_mode`; text and image caches are shared."""
+        if resize_mode == self.resize_mode:
+            return self
+        view = copy.copy(self)
+        view._set_resize(resize_mode)
+        return view
 
     def _device(self):
         try:
@@ -65,7 +117,7 @@ class Encoder:
         todo = list(dict.fromkeys(k for k in keys if k not in self._images))
         for s in range(0, len(todo), self.batch_size):
             chunk = todo[s:s + self.batch_size]
-            x = torch.stack([self.model.transform(load_image(p, c)) for p, c in chunk]).to(self._device())
+            x = torch.stack([self.transform(load_image(p, c)) for p, c in chunk]).to(self._device())
             emb = F.normalize(self.model.encode_image(x, normalize=True).float(), dim=-1).cpu()
             self._images.update(zip(chunk, emb))
         return torch.stack([self._images[k] for k in keys]) if keys else torch.zeros(0, 0)
@@ -86,7 +138,8 @@ class Encoder:
     def regions(self, images: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
         """images: (path, boxes [n, 4] xyxy in ORIGINAL pixels) -> [sum n, D] normalised region features.
 
-        Boxes are mapped to the model's input pixels once, with `clipfinetune.boxes.resize_boxes`.
+        Boxes are mapped to the model's input pixels once, with `clipfinetune.boxes.resize_boxes`: the image is
+        always squash-resized here (the model's `transform`, FineCLIP's protocol), whatever `resize_mode` says.
         """
         out = []
         size = self.model.image_size

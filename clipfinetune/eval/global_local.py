@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clipfinetune.eval.encode import Encoder, resolve_image
+from clipfinetune.eval.encode import AmbiguousImageName, Encoder, ImageResolver
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import average_precision_at_k
 from clipfinetune.io import InputError
@@ -61,10 +61,12 @@ def _local_box(rec: dict):
     return None
 
 
-def _resolve_first(name: str, roots, record) -> str | None:
+def _resolve_first(resolve: ImageResolver, name: str, roots, record) -> str | None:
     for root in roots:
         try:
-            return resolve_image(name, root, record)
+            return resolve(name, root, record)
+        except AmbiguousImageName:
+            raise
         except InputError:
             pass
     return None
@@ -75,10 +77,11 @@ def read_joint_list(path, images_root) -> list[JointRecord]:
     `images_root` (also by basename, for GOAL's shipped placeholder prefixes)."""
     raw = json.loads(Path(path).read_text())
     base = Path(path).parent
+    resolve = ImageResolver(path)
     globals_: dict[str, str] = {}
     for i, rec in enumerate(raw):
         if not _is_local(rec):
-            found = _resolve_first(rec["filename"], (base, images_root), i)
+            found = _resolve_first(resolve, rec["filename"], (base, images_root), i)
             if found is None:
                 raise InputError(path, i, f"global image {rec['filename']!r} not found under {base} or {images_root}")
             globals_[group_id(rec)] = found
@@ -90,7 +93,7 @@ def read_joint_list(path, images_root) -> list[JointRecord]:
             continue
         if g not in globals_:
             raise InputError(path, i, f"local record of group {g!r} has no global record")
-        found = _resolve_first(rec["filename"], (base, images_root), i)
+        found = _resolve_first(resolve, rec["filename"], (base, images_root), i)
         image = (found, None) if found else None
         if image is None:
             box = _local_box(rec)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clipfinetune.eval.encode import Encoder, resolve_image
+from clipfinetune.eval.encode import Encoder, ImageResolver, resolve_image
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.retrieval import RetrievalSet, caption_ids, recall_from_ranks, retrieval_ranks
 from clipfinetune.io import InputError
@@ -17,20 +17,23 @@ from clipfinetune.io import InputError
 LONG_KS = (1, 5, 25, 50)
 
 
-def read_docci(path, images_root, split: str = "test") -> RetrievalSet:
-    """DOCCI `descriptions.jsonlines`: records with split == `split` and example_id starting with it
-    (the HF loader's filter, so qual_test is not in test); image = images_root/image_file."""
+def read_docci(path, images_root, split: str = "test", splits=None) -> RetrievalSet:
+    """DOCCI `descriptions.jsonlines`: records with split in `splits` (default: just `split`) and example_id
+    starting with that split (the HF loader's filter, so qual_test is not in test unless asked for: GOAL's
+    DOCCI numbers use test + qual_test, 5,100 images, `splits: [test, qual_test]`); image = images_root/image_file.
+    Images keep the file's order."""
+    wanted = [split] if splits is None else [splits] if isinstance(splits, str) else list(splits)
     out = RetrievalSet([])
     for n, line in enumerate(Path(path).read_text().splitlines()):
         if not line.strip():
             continue
         rec = json.loads(line)
-        if rec.get("split") == split and str(rec.get("example_id", "")).startswith(split):
+        if rec.get("split") in wanted and str(rec.get("example_id", "")).startswith(rec.get("split")):
             if not str(rec.get("description", "")).strip():
                 raise InputError(path, rec.get("example_id", n), "empty description")
             out.add(resolve_image(rec["image_file"], images_root, rec["example_id"]), [rec["description"]])
     if not out.images:
-        raise InputError(path, None, f"no records of split {split!r}")
+        raise InputError(path, None, f"no records of split(s) {wanted}")
     return out
 
 
@@ -77,18 +80,19 @@ def read_urban1k(root) -> RetrievalSet:
 
 def read_goal_list(path, images_root) -> RetrievalSet:
     """GOAL `{docci,DCI,urban_dataset}_test.json`: [{"filename", "caption"}], image i <-> caption i.
-    The shipped placeholder prefixes are resolved by basename under `images_root`."""
-    out = RetrievalSet([])
+    The shipped placeholder prefixes are resolved by trailing path under `images_root` (`ImageResolver`: two
+    entries landing on one file are an error)."""
+    out, resolve = RetrievalSet([]), ImageResolver(path)
     for i, rec in enumerate(json.loads(Path(path).read_text())):
-        out.add(resolve_image(rec["filename"], images_root, i), [rec["caption"]])
+        out.add(resolve(rec["filename"], images_root, i), [rec["caption"]])
     return out
 
 
 def load_long_set(cfg: dict) -> RetrievalSet:
     """`eval.benchmarks.long_retrieval.<set>`: one of `docci` (+ images), `dci` (root), `urban1k`
-    (root), `goal_list` (+ images); optional `split`, `dci_field`."""
+    (root), `goal_list` (+ images); optional `split` (`splits` list for DOCCI), `dci_field`."""
     if cfg.get("docci"):
-        return read_docci(cfg["docci"], cfg.get("images"), cfg.get("split", "test"))
+        return read_docci(cfg["docci"], cfg.get("images"), cfg.get("split", "test"), cfg.get("splits"))
     if cfg.get("dci"):
         return read_dci(cfg["dci"], cfg.get("split", "test"), cfg.get("dci_field", "extra_caption"))
     if cfg.get("urban1k"):

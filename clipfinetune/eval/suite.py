@@ -18,7 +18,7 @@ from pathlib import Path
 
 from clipfinetune.eval import aro_order, box_cls, global_local, long_retrieval, retrieval, zeroshot
 from clipfinetune.eval import compositionality as comp
-from clipfinetune.eval.encode import Encoder
+from clipfinetune.eval.encode import PROTOCOL_RESIZE, Encoder
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ def run_benchmark(task: str, cfg: dict, enc: Encoder, text_enc: Encoder, skipped
     if task == "winoground":
         return comp.evaluate_winoground(enc, comp.read_winoground(cfg["dir"]), items)
     if task == "zeroshot":
-        return zeroshot.evaluate_zeroshot(enc, zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test")), items)
+        name = where.rsplit(".", 1)[-1]        # a multi-dataset templates.json is keyed by the set's name
+        data = zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test"), cfg.get("templates_key", name))
+        return zeroshot.evaluate_zeroshot(enc, data, items)
     raise ValueError(f"unknown evaluation task {task!r}")
 
 
@@ -103,7 +105,8 @@ def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_m
                 continue
             t0 = time.perf_counter()
             found: list = []
-            res = run_benchmark(task, dict(cfg), enc, text_enc, skipped, where, aro_seed, cache_dir, found)
+            res = run_benchmark(task, dict(cfg), enc.with_resize(PROTOCOL_RESIZE[task]), text_enc, skipped, where,
+                                aro_seed, cache_dir, found)
             if items is not None:
                 items.extend((where, it) for it in found)
             log.info("%s: %.1fs %s", where, time.perf_counter() - t0,

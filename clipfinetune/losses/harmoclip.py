@@ -6,11 +6,19 @@ The paper writes eq. (9) with unit weights; lambda_lrc and lambda_gr (default 1)
 The authors' code could not be read (METHODS.md §1.1), so everything below that the paper leaves open is our
 decision:
 
-* **Lexeme feature l_i (eqs. 3-4).** The paper takes the word's hidden state "without the final projection".
-  Eq. (7) needs l_i and the region feature r_i in one space, and r_i comes out of the image head (MaskCLIP
-  last block + ln_post + proj, then RoIAlign), so we keep the text projection: l_i is built from the
-  *projected* token states (ln_final -> text_projection; FSC-CLIP's convention, METHODS.md §1.4) that the
-  model layer returns as `text_features(tok)["tokens"]`.
+* **Lexeme feature l_i (eqs. 3-4).** The paper takes the word's hidden state h_{token_idx} from the text
+  transformer's output sequence "with the final projection layer removed" (§4.2), so the word-region gradient
+  must not train the projection that makes the global text embedding t_i. Eq. (7) still compares l_i with the
+  region feature r_i by cosine, and r_i lives in the joint embedding space (MaskCLIP's last block + ln_post +
+  the visual projection, then RoIAlign, eqs. 5-6). Our reading (`lexeme_projection_grad=False`, the default):
+  l_i = ln_final(h_{token_idx}) @ stop_grad(text_projection). h is the transformer output after its final
+  LayerNorm (the HF/FG-CLIP `last_hidden_state` convention); the projection is applied as a fixed linear map
+  that only carries h into r_i's space, so L_LRC trains the text transformer and ln_final, never the
+  projection shared with t_i. (Comparing the raw width-W states with r_i directly is possible only when W = D
+  and would align two unrelated bases, so we do not.) The earlier variant, `lexeme_projection_grad=True`,
+  lets the L_LRC gradient into the projection too (FSC-CLIP's projected tokens, METHODS.md §1.4). Either way
+  the method hands this loss `text_tokens` = the projected token states of `model.text_features(tok,
+  detach_token_projection=not lexeme_projection_grad)`; the values are the same, only the gradient path differs.
 * **Multi-token words.** A word split into several BPE tokens is mean-pooled over its tokens
   (`word_mask`), then L2-normalised; s(.,.) in eq. (1) is a cosine.
 * **Pairs per sample.** As in the paper's data (supplementary §7) each sample carries one caption with one
@@ -36,7 +44,7 @@ Features dict expected by `HarmoClipLoss.forward` (B = per-rank batch, L = text 
     image          [B, D]  global image embedding v_i (normalised)
     text           [B, D]  global caption embedding t_i (normalised)
     logit_scale    []      exp(learnable log-temperature) = 1/tau, shared by L_GC and L_LRC
-    text_tokens    [B, L, D] projected caption token states (model.text_features(tok)["tokens"])
+    text_tokens    [B, L, D] projected caption token states (see "Lexeme feature": projection detached by default)
     word_mask      [B, L]  bool, True on the BPE tokens of the matched word (model.token_span)
     region         [B, D]  RoIAlign'd dense feature of the word's box R_i (model.region_features)
     region_teacher [B, D]  frozen teacher embedding E_i of the region crop (no grad needed)
@@ -59,7 +67,9 @@ from .common import clip_contrastive_loss, masked_clip_contrastive_loss, weighte
 
 
 def lexeme_features(text_tokens: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
-    """l_i: mean of the word's projected token states W_target = h_{token_idx} (eqs. 3-4), L2-normalised."""
+    """l_i: mean of the word's projected token states W_target = h_{token_idx} (eqs. 3-4), L2-normalised.
+
+    The projection of `text_tokens` is detached upstream by default (module docstring, "Lexeme feature")."""
     weights = word_mask.to(text_tokens.dtype)
     summed = torch.einsum("bl,bld->bd", weights, text_tokens)
     mean = summed / weights.sum(dim=1, keepdim=True).clamp(min=1.0)

@@ -106,10 +106,12 @@ def shared_features(model):
             hit = cache[("image", id(x), dense)] = (x, image_features(x, dense=dense))
         return hit[1]
 
-    def memo_text_features(t, trim: bool = True):
-        hit = cache.get(("text", id(t), trim))
+    def memo_text_features(t, trim: bool = True, detach_token_projection: bool = False):
+        # HarmoCLIP's detached token projection is a different graph: its own entry (a second text forward)
+        key = ("text", id(t), trim) + (("detached",) if detach_token_projection else ())
+        hit = cache.get(key)
         if hit is None:
-            hit = cache[("text", id(t), trim)] = (t, text_features(t, trim=trim))
+            hit = cache[key] = (t, text_features(t, trim=trim, detach_token_projection=detach_token_projection))
         return hit[1]
 
     def memo_encode_image(x, normalize: bool = True):

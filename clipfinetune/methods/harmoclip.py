@@ -32,6 +32,10 @@ Decisions the paper leaves open (besides those of the loss module):
   colliding would only drop one extra off-diagonal pair, and only with `mask_same_category`.
 - A box with no area after clipping (the word_regions stage already drops these) keeps the sample for L_GC
   with `pair_valid` False, a zero box and the whole image as the crop.
+- `lexeme_projection_grad` (default False, eqs. 3-4 as we read them, see `losses/harmoclip.py`): the word token
+  states reach L_LRC through a detached text projection, so the word-region gradient trains the text transformer
+  but not the projection shared with the global text embedding. True restores the projected-token variant whose
+  L_LRC gradient also trains the projection.
 - Terms whose weight is 0 are not computed: with lambda_lrc = lambda_gr = 0 the run is plain CLIP on the same data.
 """
 from __future__ import annotations
@@ -60,12 +64,14 @@ def category_id(row: dict) -> int:
 class HarmoClipFeatures(nn.Module):
     """forward(batch) -> the features dict of `HarmoClipLoss` (student + frozen teacher)."""
 
-    def __init__(self, model, unlocked_vision_layers: int = -1, need_lexeme: bool = True, need_teacher: bool = True):
+    def __init__(self, model, unlocked_vision_layers: int = -1, need_lexeme: bool = True, need_teacher: bool = True,
+                 lexeme_projection_grad: bool = False):
         super().__init__()
         from clipfinetune.models import freeze_vision_blocks, frozen_teacher
 
         self.model = model
         self.need_lexeme, self.need_teacher = need_lexeme, need_teacher
+        self.lexeme_projection_grad = lexeme_projection_grad
         self.teacher = frozen_teacher(model) if need_teacher else None
         n_blocks = len(model.clip.visual.transformer.resblocks)
         if unlocked_vision_layers != -1:
@@ -86,7 +92,7 @@ class HarmoClipFeatures(nn.Module):
         image = model.image_features(batch["image"], dense=need_regions)
         features = {"image": image["global_"], "logit_scale": model.clip.logit_scale.exp()}
         if self.need_lexeme:
-            text = model.text_features(batch["text"])
+            text = model.text_features(batch["text"], detach_token_projection=not self.lexeme_projection_grad)
             # back to the full context (zeros, off the word mask): micro-batches' features must concatenate
             tokens = F.pad(text["tokens"], (0, 0, 0, batch["text"].shape[1] - text["tokens"].shape[1]))
             features.update(text=text["global_"], text_tokens=tokens, word_mask=batch["word_mask"])
@@ -107,12 +113,13 @@ class HarmoClipMethod(Method):
     name = "harmoclip"
 
     def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, unlocked_vision_layers: int = -1,
-                 mask_same_category: bool = False):
+                 mask_same_category: bool = False, lexeme_projection_grad: bool = False):
         super().__init__(lambda_lrc=lambda_lrc, lambda_gr=lambda_gr, unlocked_vision_layers=unlocked_vision_layers,
-                         mask_same_category=mask_same_category)
+                         mask_same_category=mask_same_category, lexeme_projection_grad=lexeme_projection_grad)
         self.lambda_lrc, self.lambda_gr = float(lambda_lrc), float(lambda_gr)
         self.unlocked_vision_layers = int(unlocked_vision_layers)
         self.mask_same_category = bool(mask_same_category)
+        self.lexeme_projection_grad = bool(lexeme_projection_grad)
 
     def wants(self, record: dict) -> bool:
         return record.get("source", "coco") != "docci" and bool(record.get("word_regions")) \
@@ -137,7 +144,8 @@ class HarmoClipMethod(Method):
 
     def build(self, model) -> nn.Module:
         return HarmoClipFeatures(model, self.unlocked_vision_layers, need_lexeme=self.lambda_lrc != 0,
-                                 need_teacher=self.lambda_gr != 0)
+                                 need_teacher=self.lambda_gr != 0,
+                                 lexeme_projection_grad=self.lexeme_projection_grad)
 
     def loss(self) -> nn.Module:
         from clipfinetune.losses.harmoclip import HarmoClipLoss

@@ -48,6 +48,16 @@ class ClipModel(nn.Module):
             tuple(clip.visual.image_size), is_train=False, mean=tuple(preprocess["mean"]),
             std=tuple(preprocess["std"]), resize_mode="squash", interpolation=self.preprocess_cfg["interpolation"])
 
+    def eval_transform(self, resize_mode: str = "squash"):
+        """The model's preprocess with another resize: "squash" (= `transform`), or open_clip's "shortest" (short
+        side to the input size, then centre crop: the official retrieval / zero-shot / compositionality scripts)."""
+        if resize_mode == "squash":
+            return self.transform
+        cfg = self.preprocess_cfg
+        return open_clip.image_transform(tuple(cfg["size"]), is_train=False, mean=tuple(cfg["mean"]),
+                                         std=tuple(cfg["std"]), resize_mode=resize_mode,
+                                         interpolation=cfg["interpolation"])
+
     # ---- geometry and tokenizer -------------------------------------------------------------------
     @property
     def image_size(self) -> int:
@@ -122,18 +132,24 @@ class ClipModel(nn.Module):
             features["dense"] = self._dense_head(out["image_intermediates_prefix"][0], out["image_intermediates"][0])
         return features
 
-    def text_features(self, text: torch.Tensor, trim: bool = True) -> dict[str, torch.Tensor]:
+    def text_features(self, text: torch.Tensor, trim: bool = True,
+                      detach_token_projection: bool = False) -> dict[str, torch.Tensor]:
         """global_ [B,D] normalised, tokens [B,L,D] projected, mask [B,L], hidden [B,L,W] pre-ln_final.
 
         L is the batch's longest sequence when `trim` (exact under the causal mask), else the context.
+        `detach_token_projection`: `tokens` go through a detached copy of the text projection (same values, no
+        gradient from them into the projection; `global_` keeps the live one) -- HarmoCLIP's eqs. (3)-(4).
         """
         text, hidden = self._text_trunk(text, trim=trim)
-        tokens = self._project_text(self.clip.ln_final(hidden))
+        normed = self.clip.ln_final(hidden)
+        tokens = self._project_text(normed)
         eot = self._eot_positions(text)
         mask = text != PAD_ID
         mask[:, 0] = False
-        return {"global_": F.normalize(tokens[torch.arange(len(text), device=text.device), eot], dim=-1),
-                "tokens": tokens, "mask": mask, "hidden": hidden}
+        global_ = F.normalize(tokens[torch.arange(len(text), device=text.device), eot], dim=-1)
+        if detach_token_projection:
+            tokens = self._project_text(normed, detach=True)
+        return {"global_": global_, "tokens": tokens, "mask": mask, "hidden": hidden}
 
     def pool_image_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B,W] pooled pre-ln_post tokens -> ln_post, projection, L2 (GOAL's TSL image side)."""
@@ -199,11 +215,16 @@ class ClipModel(nn.Module):
         attn_mask = clip.attn_mask[:length, :length] if clip.attn_mask is not None else None
         return text, clip.transformer(x, attn_mask=attn_mask)
 
-    def _project_text(self, x: torch.Tensor) -> torch.Tensor:
+    def _project_text(self, x: torch.Tensor, detach: bool = False) -> torch.Tensor:
         projection = self.clip.text_projection
         if projection is None:
             return x
-        return projection(x) if isinstance(projection, nn.Linear) else x @ projection
+        if isinstance(projection, nn.Linear):
+            if not detach:
+                return projection(x)
+            bias = projection.bias.detach() if projection.bias is not None else None
+            return F.linear(x, projection.weight.detach(), bias)
+        return x @ (projection.detach() if detach else projection)
 
 
 def _check_supported(clip: nn.Module) -> None:

@@ -27,6 +27,14 @@ def lexeme(tokens, word_mask, i):
     return sum(tokens[i, t].double() for t in idx) / len(idx)
 
 
+def lexeme_from_hidden(normed_hidden, projection, word_mask, i):
+    """eqs. (3)-(4) as read in losses/harmoclip.py: the word's output states h (after the final LayerNorm) mapped
+    into the joint space by the text projection P: mean_t(h_t) P (= the mean of the projected states)."""
+    idx = [t for t in range(normed_hidden.shape[1]) if bool(word_mask[i, t])]
+    mean = sum(normed_hidden[i, t].double() for t in idx) / len(idx)
+    return mean @ projection.double()
+
+
 def lrc_loss(region, tokens, word_mask, logit_scale, valid, category=None):
     """eq. (7) over the valid pairs; optional same-category masking of off-diagonal pairs."""
     pairs = [i for i in range(region.shape[0]) if bool(valid[i]) and bool(word_mask[i].any())]
