@@ -1,8 +1,9 @@
 """Stage `pretrain`: the small base CLIP, trained from scratch on the sample world's short captions -> models/base/.
 
-Global contrastive (the plain CLIP method) on every training image with one of its COCO captions drawn at random
-each epoch, read directly from data/sample/annotations/captions_train.json + data/sample/images/train (not the
-shards: they need LISM pairs, and LISM on the sample world uses this model).
+Global contrastive (the plain CLIP method) on every image of the sample world's pretraining-only split with one of
+its COCO captions drawn at random each epoch, read directly from data/sample/annotations/captions_pretrain.json +
+data/sample/images/pretrain (not the shards: they need LISM pairs, and LISM on the sample world uses this model).
+That split (`sample.n_pretrain` few-object images, disjoint from train/val) is what lets the tiny ViT learn shape.
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -21,8 +22,8 @@ import shutil
 
 from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
 
-CAPTIONS = "data/sample/annotations/captions_train.json"
-IMAGES = "data/sample/images/train"
+CAPTIONS = "data/sample/annotations/captions_pretrain.json"
+IMAGES = "data/sample/images/pretrain"
 
 
 def main() -> None:

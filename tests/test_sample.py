@@ -10,7 +10,7 @@ import pytest
 import yaml
 from PIL import Image
 from pycocotools.coco import COCO
-from test_sample_truth import COLOURS, SHAPES, TINY, colour_name, scenes, tiny_world
+from test_sample_truth import COLOURS, SHAPES, TINY, caption_is_true, colour_name, scenes, shape_words, tiny_world
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +44,8 @@ def test_meta_counts_and_seed():
     c = meta["counts"]
     assert c["train_images"] == TINY["n_train"] and c["val_images"] == TINY["n_val"]
     assert len(list((tiny_world() / "images/train").glob("*.jpg"))) == TINY["n_train"]
+    assert c["pretrain_images"] == TINY["n_pretrain"]
+    assert len(list((tiny_world() / "images/pretrain").glob("*.jpg"))) == TINY["n_pretrain"]
     assert set(meta["colours"]) == set(COLOURS) and set(meta["shapes"]) == set(SHAPES)
 
 
@@ -104,6 +106,27 @@ def test_captions_read_by_pycocotools_five_per_image():
         for iid in caps.imgs:
             texts = [a["caption"] for a in caps.loadAnns(caps.getAnnIds(imgIds=[iid]))]
             assert len(texts) == 5 and len(set(texts)) >= 4 and all(t.endswith(".") for t in texts)
+
+
+def test_pretraining_split_few_objects_whose_captions_are_true_and_name_shapes():
+    """The pretraining-only split: COCO captions (pycocotools), 1-3 objects per image (every count occurs), five
+    captions per image, each true of its scene and naming a shape; its ids are disjoint from train and val."""
+    root = tiny_world()
+    recs = scenes(root)
+    caps = COCO(str(root / "annotations/captions_pretrain.json"))
+    assert len(caps.imgs) == TINY["n_pretrain"]
+    counts = set()
+    for iid, img in caps.imgs.items():
+        objs = recs[f"images/pretrain/{img['file_name']}"]["objects"]
+        counts.add(len(objs))
+        texts = [a["caption"] for a in caps.loadAnns(caps.getAnnIds(imgIds=[iid]))]
+        assert len(texts) == 5 and len(set(texts)) >= 3, texts
+        for t in texts:
+            assert caption_is_true(t, objs) and shape_words(t) >= 1, (t, objs)
+    assert counts == {1, 2, 3}
+    others = set(COCO(str(root / "annotations/captions_train.json")).imgs) | \
+        set(COCO(str(root / "annotations/captions_val.json")).imgs)
+    assert not set(caps.imgs) & others
 
 
 def test_karpathy_formats():
@@ -168,7 +191,7 @@ def _md5s(paths):
 def test_evaluation_images_disjoint_from_training_images():
     root = tiny_world()
     docci = [json.loads(x) for x in (root / "docci/descriptions.jsonlines").read_text().splitlines()]
-    train = list((root / "images/train").glob("*.jpg")) + \
+    train = list((root / "images/train").glob("*.jpg")) + list((root / "images/pretrain").glob("*.jpg")) + \
         [root / "docci/images" / d["image_file"] for d in docci if d["split"] == "train"]
     evals = list((root / "images/val").glob("*.jpg")) + list((root / "aro/images").glob("*.jpg")) + \
         list((root / "zeroshot").rglob("*.jpg")) + \
@@ -187,14 +210,15 @@ def test_same_seed_byte_identical_and_other_seed_differs(tmp_path):
     from clipfinetune.sample import WorldConfig, generate_world
 
     small = {"image_size": 64, "n_train": 6, "n_val": 6, "n_docci_train": 4, "n_docci_test": 4,
-             "n_compositional": 6, "n_zeroshot_per_class": 1}
+             "n_compositional": 6, "n_zeroshot_per_class": 1, "n_pretrain": 4}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         generate_world(tmp_path / name, WorldConfig(seed=seed, **small))
     a, b, c = (_tree(tmp_path / n) for n in "abc")
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     assert c.keys() == a.keys()
     differing = [k for k in a if a[k] != c[k]]
-    assert "annotations/captions_train.json" in differing and len(differing) > 0.9 * len(a)
+    assert "annotations/captions_train.json" in differing and "annotations/captions_pretrain.json" in differing
+    assert len(differing) > 0.9 * len(a)
 
 
 def test_stage_reads_exactly_the_declared_sample_params():

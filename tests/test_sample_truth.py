@@ -41,7 +41,7 @@ def parse(text: str) -> tuple[list[dict], list[tuple[int, str, int]], int | None
         between = re.sub(r"^is\s+", "", between)
         if between in RELATION:
             rels.append((i, RELATION[between], i + 1))
-    m = re.search(rf"\b({'|'.join(COUNT_WORDS)})(?: [a-z]+)? shapes\b", t)
+    m = re.search(rf"\b({'|'.join(COUNT_WORDS)})(?: [a-z]+)? shapes?\b", t)
     return nps, rels, (COUNT_WORDS.index(m[1]) if m else None)
 
 
@@ -92,7 +92,7 @@ def colour_name(rgb) -> str:
 # ---------------------------------------------------------------- the tiny world shared by the tests
 
 TINY = {"seed": 0, "image_size": 64, "n_train": 40, "n_val": 30, "n_docci_train": 40, "n_docci_test": 30,
-        "n_compositional": 50, "n_zeroshot_per_class": 2}
+        "n_compositional": 50, "n_zeroshot_per_class": 2, "n_pretrain": 60}
 
 
 @functools.cache

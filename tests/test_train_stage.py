@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,6 +120,27 @@ def test_caption_source_splits_each_global_batch_between_ranks(tmp_path):
     single = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=3)
     for a, b, whole in zip(ranks[0].batches(0), ranks[1].batches(0), single.batches(0)):
         assert torch.equal(torch.cat([a["text"], b["text"]]), whole["text"])
+
+
+def test_caption_source_keeps_uint8_pixels_and_serves_what_the_model_transform_gives(tmp_path):
+    """open_clip's transform (resize, to-tensor, Normalize) is stored as uint8 and normalised per batch: the batch
+    equals the transform of each image, bit for bit, at a quarter of the memory."""
+    import open_clip
+    from PIL import Image
+
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images = _tiny_coco(tmp_path)
+    rng = np.random.default_rng(0)
+    for i in range(6):                                    # textured images: rounding errors would show
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(images / f"{i}.jpg")
+    transform = open_clip.image_transform(8, is_train=False, resize_mode="squash")
+    source = CaptionPairSource(captions, images, transform, _tokenize, batch_size=2, seed=3)
+    assert source.images.dtype == torch.uint8
+    for batch in source.batches(0):
+        for pixels, text in zip(batch["image"], batch["text"]):
+            with Image.open(images / f"{int(text[0])}.jpg") as im:
+                assert torch.equal(pixels, transform(im.convert("RGB")))
 
 
 # ------------------------------------------------------------------------------------------ pretrain, real weights

@@ -112,7 +112,8 @@ def short_caption(rng: np.random.Generator, scene: Scene, kind: str | None = Non
         text = f"{np_text} on a dark background"
     else:   # count
         (np_text, _), = _mentions(rng, scene, 1)
-        text = f"{NUMBER_WORDS[len(scene.objects)]} shapes including {np_text}"
+        n = len(scene.objects)
+        text = f"{NUMBER_WORDS[n]} shape{'s' if n != 1 else ''} including {np_text}"
     return capitalise(text) + "."
 
 
