@@ -24,6 +24,7 @@ from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parse
 
 CAPTIONS = "data/sample/annotations/captions_pretrain.json"
 IMAGES = "data/sample/images/pretrain"
+GROUP_KEY = "colour"        # images[] key of CAPTIONS: grouped epochs batch images of one colour together
 
 
 def main() -> None:
@@ -57,11 +58,14 @@ def main() -> None:
     try:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
-        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        grouped_epochs = int(settings["grouped_epochs"])
+        cfg = TrainConfig(**{k: v for k, v in settings.items() if k != "grouped_epochs"},
+                          precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)
         source = CaptionPairSource(ROOT / CAPTIONS, ROOT / IMAGES, model.transform, model.tokenize,
-                                   cfg.micro_batch_size, cfg.seed, dist.rank, dist.world_size)
+                                   cfg.micro_batch_size, cfg.seed, dist.rank, dist.world_size,
+                                   group_key=GROUP_KEY, grouped_epochs=grouped_epochs)
         log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)

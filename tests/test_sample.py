@@ -109,8 +109,9 @@ def test_captions_read_by_pycocotools_five_per_image():
 
 
 def test_pretraining_split_few_objects_whose_captions_are_true_and_name_shapes():
-    """The pretraining-only split: COCO captions (pycocotools), 1-3 objects per image (every count occurs), five
-    captions per image, each true of its scene and naming a shape; its ids are disjoint from train and val."""
+    """The pretraining-only split: COCO captions (pycocotools), 1-3 objects of different shapes and one colour per
+    image (every count occurs), that colour recorded as the image's `colour`, five captions per image, each true of
+    its scene and naming a shape; its ids are disjoint from train and val."""
     root = tiny_world()
     recs = scenes(root)
     caps = COCO(str(root / "annotations/captions_pretrain.json"))
@@ -119,6 +120,7 @@ def test_pretraining_split_few_objects_whose_captions_are_true_and_name_shapes()
     for iid, img in caps.imgs.items():
         objs = recs[f"images/pretrain/{img['file_name']}"]["objects"]
         counts.add(len(objs))
+        assert {o["colour"] for o in objs} == {img["colour"]} and len({o["shape"] for o in objs}) == len(objs)
         texts = [a["caption"] for a in caps.loadAnns(caps.getAnnIds(imgIds=[iid]))]
         assert len(texts) == 5 and len(set(texts)) >= 3, texts
         for t in texts:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from clipfinetune.io import InputError
 from clipfinetune.methods import Method
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +142,35 @@ def test_caption_source_keeps_uint8_pixels_and_serves_what_the_model_transform_g
         for pixels, text in zip(batch["image"], batch["text"]):
             with Image.open(images / f"{int(text[0])}.jpg") as im:
                 assert torch.equal(pixels, transform(im.convert("RGB")))
+
+
+def test_caption_source_grouped_epochs_batch_one_group_then_shuffle_freely(tmp_path):
+    """In grouped epochs each batch holds images of one group (every whole batch of every group once); later epochs
+    mix groups; every epoch has the same number of batches; an image without the key is a clear error."""
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images = _tiny_coco(tmp_path, n_images=12)
+    coco = json.loads(captions.read_text())
+    group = {im["id"]: "ab"[im["id"] % 2] for im in coco["images"]}       # 6 + 6 images
+    for im in coco["images"]:
+        im["colour"] = group[im["id"]]
+    captions.write_text(json.dumps(coco))
+    source = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=1, group_key="colour",
+                               grouped_epochs=2)
+    assert len(source) == 6
+    mixed = 0
+    for epoch in range(6):
+        batches = [b["text"][:, 0].tolist() for b in source.batches(epoch)]
+        assert len(batches) == 6
+        same = [len({group[i] for i in b}) == 1 for b in batches]
+        if epoch < 2:
+            assert all(same) and sorted(i for b in batches for i in b) == list(range(12))
+        mixed += not all(same)
+    assert mixed >= 3                                           # free shuffles mix the groups
+    del coco["images"][3]["colour"]
+    captions.write_text(json.dumps(coco))
+    with pytest.raises(InputError, match="colour"):
+        CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, group_key="colour", grouped_epochs=1)
 
 
 # ------------------------------------------------------------------------------------------ pretrain, real weights

@@ -190,6 +190,13 @@ def random_specs(rng: np.random.Generator, n: int, p_large: float = 0.4, p_pair:
     return specs
 
 
+def monochrome_specs(rng: np.random.Generator, n: int, p_large: float = 0.4) -> list[tuple[str, str, str]]:
+    """n (shape, colour, size) specs of n different shapes, all in one colour."""
+    colour = COLOUR_NAMES[int(rng.integers(len(COLOUR_NAMES)))]
+    shapes = rng.permutation(len(SHAPE_NAMES))[:n]
+    return [(SHAPE_NAMES[int(i)], colour, "large" if rng.random() < p_large else "small") for i in shapes]
+
+
 def random_background(rng: np.random.Generator) -> str:
     names = list(BACKGROUNDS)
     return names[int(rng.integers(len(names)))]

@@ -9,10 +9,10 @@ Besides the benchmark files, `scenes.jsonl` records the ground truth of every ge
 objects with shape, colour, size, drawn RGB, centre and xyxy box), from which everything else derives.
 
 The `pretrain` split exists only to train the from-scratch base CLIP (stage `pretrain`): many more images than the
-COCO-format train set, each with few objects (1 to PRETRAIN_OBJECTS), so its short captions name most or all
-of what the image holds and the words that tell two of its images apart include the shape. On the 2,000
-train scenes of 2-4 objects, repeated 10-60 epochs, a tiny ViT learned colour (a linear probe reads it at 100%)
-and no shape (19%, chance 12.5%); with many fresh few-object images it learns shape (issue 22).
+COCO-format train set, each with few objects (1 to PRETRAIN_OBJECTS) of different shapes in ONE colour, recorded
+as the image's `colour` in captions_pretrain.json. `pretrain` first batches images of one colour together, so
+only shape tells their captions apart (see clipfinetune/train/sources.py: with mixed batches the tiny CLIP learns
+colour and stays shape-blind, issue 22).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 from . import aro, compositional, formats
 from .captions import long_description, short_captions
 from .render import jpeg_bytes, render
-from .scene import Scene, new_scene, place, random_background, random_specs
+from .scene import Scene, monochrome_specs, new_scene, place, random_background, random_specs
 from .vocab import COLOUR_NAMES, SHAPE_NAMES, SIZES, ZEROSHOT_TEMPLATES
 
 STREAMS = {"train": 1, "val": 2, "docci_train": 3, "docci_test": 4, "aro_relation": 5, "aro_attribution": 6,
@@ -71,20 +71,25 @@ class _Writer:
 
 
 def _coco_split(w: _Writer, cfg: WorldConfig, split: str, n: int, id0: int, objects: tuple[int, int] = (2, 4),
-                instances: bool = True):
+                pretraining: bool = False):
     scenes, caps, ids, names = [], [], [], []
     for i in range(n):
         rng = _rng(cfg, split, i)
         iid = id0 + i
         fn = f"{iid:012d}.jpg"
-        specs = random_specs(rng, int(rng.integers(objects[0], objects[1] + 1)))
+        n_objects = int(rng.integers(objects[0], objects[1] + 1))
+        specs = monochrome_specs(rng, n_objects) if pretraining else random_specs(rng, n_objects)
         sc = new_scene(fn[:-4], cfg.image_size, random_background(rng), place(rng, specs, cfg.image_size))
         caps.append(short_captions(rng, sc, 5))
         w.image(f"images/{split}/{fn}", sc, rng, split)
         scenes.append(sc), ids.append(iid), names.append(fn)
-    if instances:
+    captions = formats.captions(scenes, ids, names, caps)
+    if pretraining:       # the batch group of `pretrain`'s grouped epochs (clipfinetune.train.sources)
+        for image, sc in zip(captions["images"], scenes):
+            image["colour"] = sc.objects[0].colour
+    else:
         w.text(f"annotations/instances_{split}.json", formats.dumps(formats.instances(scenes, ids, names)))
-    w.text(f"annotations/captions_{split}.json", formats.dumps(formats.captions(scenes, ids, names, caps)))
+    w.text(f"annotations/captions_{split}.json", formats.dumps(captions))
     return scenes, ids, names, caps
 
 
@@ -160,7 +165,7 @@ def generate_world(out_dir: str | Path, cfg: WorldConfig) -> dict:
     train = _coco_split(w, cfg, "train", cfg.n_train, 1)
     val_scenes, val_ids, val_names, val_caps = _coco_split(w, cfg, "val", cfg.n_val, VAL_ID_OFFSET + 1)
     pre = _coco_split(w, cfg, "pretrain", cfg.n_pretrain, PRETRAIN_ID_OFFSET + 1, (1, PRETRAIN_OBJECTS),
-                      instances=False)
+                      pretraining=True)
 
     w.text("karpathy/dataset_coco.json", formats.dumps(formats.karpathy(
         [("train", "train", train[1], train[2], train[3]), ("test", "val", val_ids, val_names, val_caps)])))

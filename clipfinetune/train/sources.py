@@ -8,6 +8,14 @@ would only burn the CPU the model needs. A transform that ends in `Normalize` af
 kept as the uint8 pixels before the normalisation (a quarter of fp32: 40,000 images of 64 px = 0.5 GB) and
 normalised per batch with the same operations, so the batches are the ones the full transform gives. Ranks split every global batch
 (`batch_size * world_size` samples) into contiguous per-rank slices; the last partial batch is dropped.
+
+Grouped epochs (`group_key`, `grouped_epochs`): in the first `grouped_epochs` epochs every global batch holds images
+of ONE group (the value of `group_key` in the image's COCO `images[]` entry; the sample world's pretraining split
+puts each image's colour there), so within a batch only what differs inside the group (the shape) tells the
+captions apart. Contrastive pretraining from scratch otherwise settles on colour, the fast feature, and the text
+tower stops telling shape words apart (issue 22: cosine 0.998 between "a red circle" and "a red star"), after
+which no gradient asks the image tower for shape. Later epochs are plain shuffles. Every epoch has the same number
+of batches (the grouped count: whole batches per group), so the step count does not depend on the phase.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ from clipfinetune.io import InputError
 class CaptionPairSource:
     def __init__(self, captions_json: str | os.PathLike, images_dir: str | os.PathLike,
                  transform: Callable, tokenize: Callable, batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, group_key: str = "", grouped_epochs: int = 0):
         from PIL import Image
 
         coco = load_json(captions_json)
@@ -52,13 +60,38 @@ class CaptionPairSource:
         width = int(self.counts.max())
         self.tokens = torch.stack([torch.cat([t, t[:1].expand(width - len(t), -1)]) for t in token_sets])
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.grouped_epochs = grouped_epochs
+        self.groups: list[torch.Tensor] = []
+        if grouped_epochs:
+            if not group_key:
+                raise ValueError("grouped_epochs needs a group_key")
+            members: dict = {}
+            for i, image_id in enumerate(self.image_ids):
+                if group_key not in images[image_id]:
+                    raise InputError(captions_json, image_id, f"image has no {group_key!r} (grouped batches)")
+                members.setdefault(images[image_id][group_key], []).append(i)
+            self.groups = [torch.tensor(v) for _, v in sorted(members.items(), key=lambda kv: str(kv[0]))]
 
     def __len__(self) -> int:
-        return len(self.image_ids) // (self.batch_size * self.world_size)
+        step = self.batch_size * self.world_size
+        if self.groups:
+            return sum(len(g) // step for g in self.groups)
+        return len(self.image_ids) // step
+
+    def _order(self, epoch: int, g: torch.Generator) -> torch.Tensor:
+        """The epoch's image order: global batches one after another (grouped: each batch from one group)."""
+        if epoch >= self.grouped_epochs:
+            return torch.randperm(len(self.image_ids), generator=g)
+        step = self.batch_size * self.world_size
+        batches = []
+        for members in self.groups:
+            shuffled = members[torch.randperm(len(members), generator=g)]
+            batches += list(shuffled[:len(members) // step * step].split(step))
+        return torch.cat([batches[i] for i in torch.randperm(len(batches), generator=g)])
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.image_ids), generator=g)
+        order = self._order(epoch, g)
         caption = (torch.rand(len(self.image_ids), generator=g) * self.counts).long()
         step = self.batch_size * self.world_size
         for i in range(start, len(self)):
