@@ -53,8 +53,11 @@ def main() -> None:
         if clashing:                  # re-running the command replaces the previous seed experiments
             dvc("exp", "remove", *clashing)
         # dvc.lock and the uncached metrics files (uncommitted after a fresh `make run`) go along, so the
-        # experiment sees the unchanged stages as up to date instead of re-running or restoring them
-        copy = [arg for path in ("dvc.lock", "metrics") if Path(path).exists() for arg in ("-C", path)]
+        # experiment sees the unchanged stages as up to date instead of re-running or restoring them. File by
+        # file: DVC's autostage puts metrics/items/.gitignore in the index, so the experiment's workspace already
+        # has a metrics/ folder and copying the folder fails ("File exists"); the items are cached outputs.
+        uncached = ["dvc.lock", *sorted(str(p) for p in Path("metrics").glob("*.json"))]
+        copy = [arg for path in uncached if Path(path).exists() for arg in ("-C", path)]
         for seed, name in zip(seeds, names):
             dvc("exp", "run", "--queue", "-n", name, "-S", f"train.seed={seed}", *copy)
         t0 = time.perf_counter()
