@@ -15,7 +15,7 @@ import _common  # noqa: F401
 import pandas as pd
 from _common import setup_logging, stage_params, stage_parser
 
-from clipfinetune.data.lism import (
+from clipfinetune.data.prepare.lism import (
     choose_test_pair,
     choose_training_pair,
     match_image,

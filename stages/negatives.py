@@ -23,8 +23,8 @@ METRICS = Path("metrics/negatives.json")
 
 
 def make_backend(p: StageParams):
-    from clipfinetune.data.llm_negatives import OfflineBackend, ServerBackend
-    from clipfinetune.data.negative_rules_degla import RulesBackend
+    from clipfinetune.data.negatives.degla.llm import OfflineBackend, ServerBackend
+    from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 
     # read every declared key whatever the backend, so dvc.yaml and the code cannot drift apart
     cfg = {k: p[f"negatives.{k}"] for k in ("backend", "base_url", "model", "api_key_env", "concurrency",
@@ -50,9 +50,9 @@ def make_backend(p: StageParams):
 def run(p: StageParams, log) -> dict:
     import pandas as pd
 
-    from clipfinetune.data.degla_negatives import COLUMNS, generate_negatives, load_coco_captions
-    from clipfinetune.data.llm_negatives import prompt_version
-    from clipfinetune.data.negatives_cache import AnswerCache
+    from clipfinetune.data.negatives.degla.generate import COLUMNS, generate_negatives, load_coco_captions
+    from clipfinetune.data.negatives.degla.llm import prompt_version
+    from clipfinetune.data.negatives.degla.cache import AnswerCache
     from clipfinetune.io import write_json, write_parquet
 
     captions_path = Path(p["negatives.captions"])

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from _common import setup_logging, stage_params, stage_parser
 
-from clipfinetune.data.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
+from clipfinetune.data.prepare.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
 from clipfinetune.io import InputError, read_image, read_jsonlines, write_json, write_parquet
 
 OUT = Path("data/prepared/segments.parquet")

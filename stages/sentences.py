@@ -6,7 +6,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import setup_logging, stage_params, stage_parser
 
-from clipfinetune.data.sentences import read_docci, split_sentences
+from clipfinetune.data.prepare.sentences import read_docci, split_sentences
 from clipfinetune.io import write_json, write_parquet
 
 OUT = Path("data/prepared/sentences.parquet")

@@ -10,7 +10,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import setup_logging, stage_params, stage_parser
 
-from clipfinetune.data.shards import build_shards
+from clipfinetune.data.prepare.shards import build_shards
 
 OUT = Path("data/shards")
 PREPARED = Path("data/prepared")

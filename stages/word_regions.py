@@ -6,8 +6,8 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import setup_logging, stage_params, stage_parser
 
-from clipfinetune.data.coco import load_json
-from clipfinetune.data.word_regions import build_word_regions
+from clipfinetune.data.readers.coco import load_json
+from clipfinetune.data.prepare.word_regions import build_word_regions
 from clipfinetune.io import write_json, write_parquet
 
 OUT = Path("data/prepared/word_regions.parquet")

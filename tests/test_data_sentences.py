@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from clipfinetune.data.sentences import (
+from clipfinetune.data.prepare.sentences import (
     COLUMNS,
     read_dci,
     read_docci,

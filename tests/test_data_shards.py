@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_data_helpers import World, jpeg
 
-from clipfinetune.data.shards import build_shards
+from clipfinetune.data.prepare.shards import build_shards
 from clipfinetune.io import InputError
 
 KEYS = {"image_id", "source", "width", "height", "captions", "long_caption", "word_regions", "sentences",

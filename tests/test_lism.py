@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from clipfinetune.data.lism import (
+from clipfinetune.data.prepare.lism import (
     SentenceMatch,
     box_iou,
     choose_test_pair,
@@ -14,7 +14,7 @@ from clipfinetune.data.lism import (
     match_sentences,
     measure_against_ground_truth,
 )
-from clipfinetune.data.segments import (
+from clipfinetune.data.prepare.segments import (
     felzenszwalb_masks,
     filter_segments,
     mask_to_box,
@@ -69,7 +69,7 @@ def test_sam_path_with_real_sam_without_checkpoint(monkeypatch):
     from segment_anything.build_sam import _build_sam
     from segment_anything.modeling import Sam
 
-    from clipfinetune.data.segments import build_sam, sam_masks_fn
+    from clipfinetune.data.prepare.segments import build_sam, sam_masks_fn
 
     with torch.device("meta"):
         vit_b = build_sam("vit_b", checkpoint=None, device="meta")
@@ -196,7 +196,7 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
 
 def test_match_image_forwards_at_one_thread_whatever_the_callers_count(monkeypatch):
     """The scores are written to disk: their bits must not follow the caller's torch thread count (issue 26)."""
-    from clipfinetune.data.lism import match_image
+    from clipfinetune.data.prepare.lism import match_image
     from clipfinetune.models import load_model
 
     torch.manual_seed(0)

@@ -5,11 +5,11 @@ from collections import Counter
 
 import pytest
 
-from clipfinetune.data.degla_negatives import COLUMNS, generate_negatives, load_coco_captions
-from clipfinetune.data.llm_negatives import N_EXAMPLES, build_prompt, fewshot_bank
-from clipfinetune.data.negative_rules_degla import RulesBackend
-from clipfinetune.data.negative_validators import TYPES, check
-from clipfinetune.data.negatives_cache import AnswerCache
+from clipfinetune.data.negatives.degla.generate import COLUMNS, generate_negatives, load_coco_captions
+from clipfinetune.data.negatives.degla.llm import N_EXAMPLES, build_prompt, fewshot_bank
+from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
+from clipfinetune.data.negatives.degla.validators import TYPES, check
+from clipfinetune.data.negatives.degla.cache import AnswerCache
 from clipfinetune.io import InputError
 
 CAP = "a large red circle to the left of a small blue square"

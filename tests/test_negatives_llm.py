@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pandas as pd
 import pytest
 
-from clipfinetune.data.llm_negatives import EndpointError, OfflineBackend
-from clipfinetune.data.negative_rules_degla import RulesBackend
-from clipfinetune.data.negative_validators import RULES
+from clipfinetune.data.negatives.degla.llm import EndpointError, OfflineBackend
+from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
+from clipfinetune.data.negatives.degla.validators import RULES
 from stages._common import StageParams
 
 GOOD = ["a large red circle to the left of a small blue square", "a small green star above a big purple hexagon",
@@ -209,7 +209,7 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch, platform):
     else:
         monkeypatch.setitem(sys.modules, "vllm.platforms", None)     # import fails
 
-    from clipfinetune.data.llm_negatives import Request
+    from clipfinetune.data.negatives.degla.llm import Request
 
     backend = OfflineBackend("some/model", max_tokens=50, temperature=0.5, seed=3, chunk=2)
     got = []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from clipfinetune.data.coco import captions_by_image, images_by_id, load_json
+from clipfinetune.data.readers.coco import captions_by_image, images_by_id, load_json
 from clipfinetune.io import InputError, read_image
 
 

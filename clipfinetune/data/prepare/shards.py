@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from clipfinetune.data import coco as cocoio
+from clipfinetune.data.readers import coco as cocoio
 from clipfinetune.io import ImageTooLarge, InputError, checked_image_size
 
 SPLITS = ("train", "val")
@@ -206,7 +206,7 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
 def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike, coco_captions, coco_images,
                  docci, docci_images, maxcount: int, val_fraction: float) -> dict:
     """The `shards` stage: the whole `out_dir` (tars, sizes.json, meta.json) replaced atomically; returns meta."""
-    from clipfinetune.data.sentences import read_docci
+    from clipfinetune.data.prepare.sentences import read_docci
     from clipfinetune.io import atomic_path, write_json
 
     prepared = Path(prepared_dir)

@@ -22,10 +22,10 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from clipfinetune.data.llm_negatives import Request
-from clipfinetune.data.negative_validators import TYPES, check
-from clipfinetune.data.negatives_cache import answer_key
-from clipfinetune.data.rule_negatives import warm
+from clipfinetune.data.negatives.degla.llm import Request
+from clipfinetune.data.negatives.degla.validators import TYPES, check
+from clipfinetune.data.negatives.degla.cache import answer_key
+from clipfinetune.data.negatives.rules import warm
 from clipfinetune.io import InputError, decode_utf8
 
 log = logging.getLogger(__name__)
