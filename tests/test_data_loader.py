@@ -29,9 +29,11 @@ CTX = ExampleContext(transform, tokenize=lambda t: torch.zeros(len(t), 5, dtype=
 def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")
     World(root, n_coco=30, n_docci=14)
-    build_shards(root / "shards", prepared_dir=root / "prepared", coco_captions=root / "captions.json",
-                 coco_images=root / "coco", docci=root / "docci.jsonlines", docci_images=root / "docci",
-                 maxcount=6, val_fraction=0.15)
+    sources = {"coco": {"reader": "coco", "captions": root / "captions.json", "images": root / "coco"},
+               "docci": {"reader": "docci", "descriptions": root / "docci.jsonlines", "images": root / "docci"}}
+    build_shards(root / "shards", prepared_dir=root / "prepared", sources=sources, splits=["train"],
+                 prepared_from={"word_regions": "coco", "negatives": "coco", "local_pairs": "docci",
+                                "sentences": ["docci"]}, maxcount=6, val_fraction=0.15)
     return root / "shards"
 
 

@@ -1,6 +1,6 @@
 """FSC-CLIP (Oh et al., EMNLP 2024): the data and forward glue around `losses.fsc_clip.FscClipLoss`.
 
-Data: a COCO-source shard record with short captions (DOCCI records are skipped). Each step draws one caption with
+Data: a shard record with short captions (any source: COCO, image-text pairs; long-caption-only records are skipped). Each step draws one caption with
 the loader's `rng` and FRESH rule negatives for it (`ctx.online_negatives(caption, rng)`: negclip swap, WordNet
 replace, bi-gram shuffle, METHODS §2.2), so every epoch sees new negatives, as the authors' loader does. Example:
 
@@ -90,7 +90,7 @@ class FscClipMethod(Method):
             raise ValueError("lora_lr is set but lora_rank is 0 (LoRA off)")
 
     def wants(self, record: dict) -> bool:
-        return record.get("source", "coco") != "docci" and bool(record.get("captions"))
+        return bool(record.get("captions"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         caption = rng.choice(record["captions"])

@@ -1,6 +1,6 @@
 """GOAL (Choi et al., CVPR 2025): the data and forward glue around `losses.goal.GoalLoss`.
 
-Data: a DOCCI-source shard record with a long caption (COCO records are skipped). Example:
+Data: a shard record with a long caption (DOCCI; records with short captions only are skipped). Example:
 
     image        [3, S, S]   ctx.transform(image) (squash resize; GOAL's processor centre-crops, METHODS §3.4 bug 2)
     text         [L]         the long caption, ctx.tokenize_long (L = 248, Long-CLIP context)
@@ -120,7 +120,7 @@ class GoalMethod(Method):
         self.local = self.lambda_local != 0 or self.lambda_tsl != 0
 
     def wants(self, record: dict) -> bool:
-        return record.get("source") == "docci" and bool(record.get("long_caption"))
+        return bool(record.get("long_caption"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         caption = record["long_caption"]

@@ -1,6 +1,6 @@
 """HarmoCLIP (Zeng et al., arXiv 2511.22594): the data and forward glue around `losses.harmoclip.HarmoClipLoss`.
 
-Data: a COCO-source shard record with `word_regions` (DOCCI records have none and are skipped). Each step draws ONE
+Data: a shard record with short captions and `word_regions` (records without them are skipped). Each step draws ONE
 row (caption, word, box) with the loader's `rng`; that caption is also the sample's L_GC caption (supplementary §7:
 "each caption contains only a single word aligned with one region"). The example holds
 
@@ -122,8 +122,7 @@ class HarmoClipMethod(Method):
         self.lexeme_projection_grad = bool(lexeme_projection_grad)
 
     def wants(self, record: dict) -> bool:
-        return record.get("source", "coco") != "docci" and bool(record.get("word_regions")) \
-            and bool(record.get("captions"))
+        return bool(record.get("word_regions")) and bool(record.get("captions"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         row = rng.choice(record["word_regions"])

@@ -1,6 +1,6 @@
 """MulCLIP: the data and forward glue around `losses.mulclip.MulClipLoss` (no public code; METHODS.md §5).
 
-Data: a DOCCI-source shard record with a long caption and its sentences (sentence 0 = the summary). Example:
+Data: a shard record with a long caption and its sentences (sentence 0 = the summary). Example:
 
     image      [3, S, S]  ctx.transform(image)
     text       [L]        the long caption, ctx.tokenize_long (L = 248)
@@ -99,7 +99,7 @@ class MulClipMethod(Method):
         self._mix_terms = frozenset(terms)
 
     def wants(self, record: dict) -> bool:
-        return record.get("source") == "docci" and bool(record.get("long_caption")) and bool(record.get("sentences"))
+        return bool(record.get("long_caption")) and bool(record.get("sentences"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         sentences = [s["text"] for s in record["sentences"][:self.max_sentences]]
