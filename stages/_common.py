@@ -105,15 +105,16 @@ def stage_inputs(stage: str) -> list[str]:
         return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
 
 
-def start(doc: str, default_stage: str | None = None, add_arguments=None):
+def start(doc: str, default_stage=None, add_arguments=None):
     """Parse `--stage` (plus the stage's own arguments, added by `add_arguments(parser)`), load the params dvc.yaml
     declares for the stage and set up logging. The stage name: --stage, else $DVC_STAGE, else `default_stage`
-    (a `foreach` stage passes None: its name depends on the item)."""
+    (a string, or for a `foreach` stage a function of the parsed arguments, e.g. `lambda a: f"eval@{a.model}"`)."""
     parser = stage_parser((doc or "").strip().splitlines()[0] if doc else "")
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
-    params = stage_params(args.stage or os.environ.get("DVC_STAGE") or default_stage)
+    default = default_stage(args) if callable(default_stage) else default_stage
+    params = stage_params(args.stage or os.environ.get("DVC_STAGE") or default)
     return args, params, setup_logging(params.stage)
 
 

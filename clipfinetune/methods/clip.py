@@ -28,6 +28,7 @@ class ClipFeatures(nn.Module):
 
 class ClipMethod(Method):
     name = "clip"
+    terms = {"contrastive": None}
 
     def __init__(self):
         super().__init__()

@@ -91,6 +91,7 @@ class DeglaFeatures(nn.Module):
 
 class DeglaMethod(Method):
     name = "degla"
+    terms = {"contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"}
 
     def __init__(self, lambda_igc: float = 0.1, lambda_tgc: float = 0.1, lambda_distill: float = 0.005,
                  ema_alpha: float = 0.9996, tgc_logit_scale: float = 10.0):

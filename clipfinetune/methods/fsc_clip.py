@@ -71,6 +71,7 @@ class FscClipFeatures(nn.Module):
 
 class FscClipMethod(Method):
     name = "fsc_clip"
+    terms = {"contrastive": None, "global_hn": "lambda_g", "local_hn": "lambda_l"}
     train_keys = frozenset({"lora_rank", "lora_lr"})
 
     def __init__(self, lambda_g: float = 0.5, lambda_l: float = 0.5, focal_gamma: float = 2.0,

@@ -108,6 +108,8 @@ class GoalFeatures(nn.Module):
 
 class GoalMethod(Method):
     name = "goal"
+    terms = {"contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
+             "tsl_text": "lambda_tsl"}
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):

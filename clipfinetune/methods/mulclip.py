@@ -78,6 +78,8 @@ class MulClipModule(nn.Module):
 
 class MulClipMethod(Method):
     name = "mulclip"
+    terms = {"contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
+             "subcaption_patch": "lambda_sub"}
     train_keys = frozenset({"new_module_lr"})
     uses_logit_scale = False                                      # each objective has its own ContrastHead
     GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})
