@@ -155,7 +155,9 @@ LONG_SENTENCES = [
 ]
 
 
-def synth_long_captions(n: int, seed: int = 0) -> list[dict]:
+def synth_long_captions(n: int, seed: int = 0) -> list:
+    from clipfinetune.data.readers import Record
+
     rng = random.Random(seed)
     nouns = ["cup", "dog", "bicycle", "lamp", "vase", "chair", "book", "bottle", "cat", "clock"]
     adjs = ["red", "small", "wooden", "shiny", "old", "large", "round", "white"]
@@ -168,7 +170,7 @@ def synth_long_captions(n: int, seed: int = 0) -> list[dict]:
         text = " ".join(sents)
         if rng.random() < 0.2:
             text = text.replace(". ", ".\n", 1)
-        recs.append({"image_id": f"train_{i:05d}", "source": "docci", "long_caption": text})
+        recs.append(Record(source="docci", image_id=f"train_{i:05d}", image=f"train_{i:05d}.jpg", long_caption=text))
     return recs
 
 
@@ -177,7 +179,7 @@ def sentences_bench(n: int = 600, log=print) -> Row:
 
     split_sentences(synth_long_captions(4, seed=99))            # load spaCy (not timed)
     recs = synth_long_captions(n)
-    words = sum(len(r["long_caption"].split()) for r in recs) / n
+    words = sum(len(r.long_caption.split()) for r in recs) / n
     t0 = time.perf_counter()
     _frame, meta = split_sentences(recs)
     dt = time.perf_counter() - t0
@@ -194,6 +196,7 @@ def shard_write_bench(n: int = 400, log=print) -> Row:
     import shutil
 
     from clipfinetune.data.prepare.shards import write_shards
+    from clipfinetune.data.readers import Record
 
     from .fig2_methods import shard_samples
 
@@ -205,7 +208,8 @@ def shard_write_bench(n: int = 400, log=print) -> Row:
         p = src / f"{key}.jpg"
         p.write_bytes(jpg)
         meta = {k: v for k, v in rec.items() if k not in ("width", "height")}
-        records.append({"key": key, "path": str(p), "size": (rec["width"], rec["height"]),
+        record = Record(source=rec["source"], image_id=rec["image_id"], image=str(p))
+        records.append({"key": key, "record": record, "size": (rec["width"], rec["height"]),
                         "txt": (rec["captions"] or [rec.get("long_caption", "")])[0], "json": meta})
     out = WORK / "shard_out"
     shutil.rmtree(out, ignore_errors=True)

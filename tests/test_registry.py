@@ -66,3 +66,17 @@ def test_each_methods_terms_are_switched_by_its_own_constructor_weights():
         kwargs = set(inspect.signature(cls.__init__).parameters)
         assert "contrastive" in cls.terms, name
         assert {w for w in cls.terms.values() if w} <= kwargs, name
+
+
+def test_every_loss_reads_only_names_of_the_one_feature_vocabulary():
+    """The features -> loss contract has one vocabulary (clipfinetune/losses/features.py): no loss reads a name
+    outside it, and every name in it is read by some loss (no stale entry)."""
+    import re
+
+    from clipfinetune.losses.features import FEATURES
+
+    read = set()
+    for path in sorted((ROOT / "clipfinetune" / "losses").glob("*.py")):
+        read |= set(re.findall(r'\bf(?:eatures)?(?:\["|\.get\(")([a-z_]+)"', path.read_text()))
+    assert read - set(FEATURES) == set()
+    assert set(FEATURES) - read == set()

@@ -58,7 +58,7 @@ class FscClipFeatures(nn.Module):
             tokens = F.pad(tf["tokens"], (0, 0, 0, pad)).view(b, c, text.shape[2], -1)
             token_mask = F.pad(tf["mask"], (0, pad), value=False).view(b, c, text.shape[2])
             embeddings = tf["global_"].view(b, c, -1)
-            features.update(tokens=tokens, token_mask=token_mask)
+            features.update(text_tokens=tokens, text_mask=token_mask)
         else:
             features["image"] = model.encode_image(batch["image"], normalize=True)
             texts = text.flatten(0, 1) if self.negatives else text[:, 0]
