@@ -102,8 +102,8 @@ def caption(rng: random.Random, counts: Counter) -> str:
 
 # ------------------------------------------------------------------------------------------ word_regions
 def word_regions_bench(log=print) -> Row:
-    from clipfinetune.data.readers.coco import load_json
     from clipfinetune.data.prepare.word_regions import build_word_regions
+    from clipfinetune.data.readers.coco import load_json
     from clipfinetune.io import write_parquet
 
     t0 = time.perf_counter()

@@ -14,7 +14,13 @@ import numpy as np
 import pandas as pd
 from _common import source_specs, start
 
-from clipfinetune.data.prepare.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
+from clipfinetune.data.prepare.segments import (
+    build_sam,
+    felzenszwalb_masks,
+    sam_masks_fn,
+    segment_image,
+    shard_of,
+)
 from clipfinetune.data.readers import read_source
 from clipfinetune.io import InputError, write_json, write_parquet
 

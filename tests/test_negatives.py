@@ -5,12 +5,12 @@ from collections import Counter
 
 import pytest
 
+from clipfinetune.data.negatives.degla.cache import AnswerCache
 from clipfinetune.data.negatives.degla.generate import COLUMNS, caption_records, generate_negatives
-from clipfinetune.data.readers import coco
 from clipfinetune.data.negatives.degla.llm import N_EXAMPLES, build_prompt, fewshot_bank
 from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 from clipfinetune.data.negatives.degla.validators import TYPES, check
-from clipfinetune.data.negatives.degla.cache import AnswerCache
+from clipfinetune.data.readers import coco
 from clipfinetune.io import InputError
 
 CAP = "a large red circle to the left of a small blue square"

@@ -16,9 +16,10 @@ import pytest
 from clipfinetune.data.negatives.degla.llm import EndpointError, OfflineBackend
 from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 from clipfinetune.data.negatives.degla.validators import RULES
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))        # as `python stages/negatives.py` has it
-from _common import StageParams, setup_logging  # noqa: E402
+from _common import StageParams, setup_logging
 
 GOOD = ["a large red circle to the left of a small blue square", "a small green star above a big purple hexagon",
         "two green triangles"]

@@ -14,7 +14,8 @@ bi-gram shuffle, in that order), D = joint dim, P = patches, L = text context le
     text_mask   [B, 1+K, L] bool  keeps EOT (and the final period), drops SOT and padding (``text_features()["mask"]``)
     logit_scale scalar          exp(learnable log-temperature) = 1/tau
 
-``patches``/``text_tokens``/``text_mask`` are read only when ``lambda_l != 0``; ``neg_text`` only when ``lambda_g != 0``.
+``patches``/``text_tokens``/``text_mask`` are read only when ``lambda_l != 0``; ``neg_text`` only when
+``lambda_g != 0``.
 Returned terms (already weighted): ``contrastive`` (L_clip), ``global_hn`` (lambda_g L^g_neg), ``local_hn``
 (lambda_l L^l_neg).
 

@@ -27,6 +27,7 @@ Decisions the paper leaves open:
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -91,7 +92,8 @@ class DeglaFeatures(nn.Module):
 
 class DeglaMethod(Method):
     name = "degla"
-    terms = {"contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"}
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"}
 
     def __init__(self, lambda_igc: float = 0.1, lambda_tgc: float = 0.1, lambda_distill: float = 0.005,
                  ema_alpha: float = 0.9996, tgc_logit_scale: float = 10.0):

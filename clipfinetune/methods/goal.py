@@ -36,6 +36,7 @@ Decisions the paper leaves open / where we differ from the authors' code (METHOD
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -108,8 +109,9 @@ class GoalFeatures(nn.Module):
 
 class GoalMethod(Method):
     name = "goal"
-    terms = {"contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
-             "tsl_text": "lambda_tsl"}
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
+        "tsl_text": "lambda_tsl"}
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):

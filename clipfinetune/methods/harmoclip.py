@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,8 @@ class HarmoClipFeatures(nn.Module):
 
 class HarmoClipMethod(Method):
     name = "harmoclip"
-    terms = {"contrastive": None, "lexeme_region": "lambda_lrc", "global_region": "lambda_gr"}
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "lexeme_region": "lambda_lrc", "global_region": "lambda_gr"}
 
     def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, unlocked_vision_layers: int = -1,
                  mask_same_category: bool = False, lexeme_projection_grad: bool = False):

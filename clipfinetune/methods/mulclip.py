@@ -40,6 +40,7 @@ Decisions the paper leaves open (besides those of the loss module):
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +79,9 @@ class MulClipModule(nn.Module):
 
 class MulClipMethod(Method):
     name = "mulclip"
-    terms = {"contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
-             "subcaption_patch": "lambda_sub"}
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
+        "subcaption_patch": "lambda_sub"}
     train_keys = frozenset({"new_module_lr"})
     uses_logit_scale = False                                      # each objective has its own ContrastHead
     GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 
 import pandas as pd
 

@@ -29,6 +29,7 @@ import json
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import ClassVar
 
 import pandas as pd
 
@@ -123,8 +124,8 @@ class Annotations:
     (sentences also name their source in a column). A table whose sources are not among `sources` (the stage's)
     is not read, so a stage over, say, image-text pairs alone needs no LISM or word-region outputs."""
 
-    PRODUCERS = {"word_regions": "word_regions", "negatives": "negatives", "local_pairs": "lism",
-                 "sentences": "sentences"}
+    PRODUCERS: ClassVar[dict[str, str]] = {
+        "word_regions": "word_regions", "negatives": "negatives", "local_pairs": "lism", "sentences": "sentences"}
 
     def __init__(self, prepared_dir, prepared_from: dict, sources):
         prepared, sources = Path(prepared_dir), set(sources)

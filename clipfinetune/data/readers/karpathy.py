@@ -1,5 +1,6 @@
-"""Karpathy split reader (`dataset_coco.json` / `dataset_flickr30k.json`): images[] with split (`splits` selects; default all), filepath
-(absent for Flickr30k), filename, imgid, sentences[].raw. The captions are the raw sentences, in file order."""
+"""Karpathy split reader (`dataset_coco.json` / `dataset_flickr30k.json`): images[] with split (`splits` selects;
+default all), filepath (absent for Flickr30k), filename, imgid, sentences[].raw. The captions are the raw sentences,
+in file order."""
 from __future__ import annotations
 
 import json

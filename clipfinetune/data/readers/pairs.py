@@ -27,7 +27,7 @@ def read_table(path: Path):
             return pd.read_parquet(path)
         return pd.read_csv(path, sep="\t" if path.suffix in (".tsv", ".tab") else ",", dtype=str,
                            keep_default_na=False)
-    except Exception as e:   # noqa: BLE001  (pandas raises many types for a bad table)
+    except Exception as e:
         raise InputError(path, None, f"unreadable table: {e}") from e
 
 

@@ -20,9 +20,9 @@ import hashlib
 import logging
 from collections import Counter
 
+from clipfinetune.data.negatives.degla.cache import answer_key
 from clipfinetune.data.negatives.degla.llm import Request
 from clipfinetune.data.negatives.degla.validators import TYPES, check
-from clipfinetune.data.negatives.degla.cache import answer_key
 from clipfinetune.data.negatives.rules import warm
 
 log = logging.getLogger(__name__)
