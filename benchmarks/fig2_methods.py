@@ -23,11 +23,13 @@ import random
 import tarfile
 import time
 
+from clipfinetune import registry
+
 from .common import SHARDS, Row, load_params, median
 
 BATCH = 32
 ROUNDS, STEPS, WARMUP = 3, 3, 2
-METHODS = ("clip", "harmoclip", "fsc_clip", "goal", "degla", "mulclip", "custom")
+METHODS = (*registry.METHODS, registry.MIX)
 _SAMPLES = None
 
 

@@ -102,8 +102,8 @@ def caption(rng: random.Random, counts: Counter) -> str:
 
 # ------------------------------------------------------------------------------------------ word_regions
 def word_regions_bench(log=print) -> Row:
-    from clipfinetune.data.coco import load_json
-    from clipfinetune.data.word_regions import build_word_regions
+    from clipfinetune.data.prepare.word_regions import build_word_regions
+    from clipfinetune.data.readers.coco import load_json
     from clipfinetune.io import write_parquet
 
     t0 = time.perf_counter()
@@ -136,8 +136,8 @@ def word_regions_bench(log=print) -> Row:
                 "build_s": t_build, "write_parquet_s": t_write, "cpu_s_all_processes": cpu_s, "rows": meta["rows"],
                 "captions_matched": meta["captions_matched"]},
                [("in process: benchmarks.fig3_data.synth_coco(benchmarks/_work/coco_synth) (untimed), then "
-                "clipfinetune.data.coco.load_json x2 + "
-                "clipfinetune.data.word_regions.build_word_regions(...) "
+                "clipfinetune.data.readers.coco.load_json x2 + "
+                "clipfinetune.data.prepare.word_regions.build_word_regions(...) "
                 "(lemmatizer=lookup, instance_rule=largest, default processes) + io.write_parquet")])
 
 
@@ -155,7 +155,9 @@ LONG_SENTENCES = [
 ]
 
 
-def synth_long_captions(n: int, seed: int = 0) -> list[dict]:
+def synth_long_captions(n: int, seed: int = 0) -> list:
+    from clipfinetune.data.readers import Record
+
     rng = random.Random(seed)
     nouns = ["cup", "dog", "bicycle", "lamp", "vase", "chair", "book", "bottle", "cat", "clock"]
     adjs = ["red", "small", "wooden", "shiny", "old", "large", "round", "white"]
@@ -168,16 +170,16 @@ def synth_long_captions(n: int, seed: int = 0) -> list[dict]:
         text = " ".join(sents)
         if rng.random() < 0.2:
             text = text.replace(". ", ".\n", 1)
-        recs.append({"image_id": f"train_{i:05d}", "source": "docci", "long_caption": text})
+        recs.append(Record(source="docci", image_id=f"train_{i:05d}", image=f"train_{i:05d}.jpg", long_caption=text))
     return recs
 
 
 def sentences_bench(n: int = 600, log=print) -> Row:
-    from clipfinetune.data.sentences import split_sentences
+    from clipfinetune.data.prepare.sentences import split_sentences
 
     split_sentences(synth_long_captions(4, seed=99))            # load spaCy (not timed)
     recs = synth_long_captions(n)
-    words = sum(len(r["long_caption"].split()) for r in recs) / n
+    words = sum(len(r.long_caption.split()) for r in recs) / n
     t0 = time.perf_counter()
     _frame, meta = split_sentences(recs)
     dt = time.perf_counter() - t0
@@ -185,7 +187,7 @@ def sentences_bench(n: int = 600, log=print) -> Row:
     return Row("3 sentences stage (long captions/s)", n / dt, None, None, "info", None, "captions/s",
                {"captions": n, "mean_words": words, "seconds": dt, "sentences": meta["rows"],
                 "docci_15k_estimate_s": 15000 / (n / dt)},
-               [(f"in process: clipfinetune.data.sentences.split_sentences(benchmarks.fig3_data.synth_long_captions({n}))"
+               [(f"in process: clipfinetune.data.prepare.sentences.split_sentences(benchmarks.fig3_data.synth_long_captions({n}))"
                 " after one warm-up call (spaCy load untimed)")])
 
 
@@ -193,7 +195,8 @@ def sentences_bench(n: int = 600, log=print) -> Row:
 def shard_write_bench(n: int = 400, log=print) -> Row:
     import shutil
 
-    from clipfinetune.data.shards import write_shards
+    from clipfinetune.data.prepare.shards import write_shards
+    from clipfinetune.data.readers import Record
 
     from .fig2_methods import shard_samples
 
@@ -205,7 +208,8 @@ def shard_write_bench(n: int = 400, log=print) -> Row:
         p = src / f"{key}.jpg"
         p.write_bytes(jpg)
         meta = {k: v for k, v in rec.items() if k not in ("width", "height")}
-        records.append({"key": key, "path": str(p), "size": (rec["width"], rec["height"]),
+        record = Record(source=rec["source"], image_id=rec["image_id"], image=str(p))
+        records.append({"key": key, "record": record, "size": (rec["width"], rec["height"]),
                         "txt": (rec["captions"] or [rec.get("long_caption", "")])[0], "json": meta})
     out = WORK / "shard_out"
     shutil.rmtree(out, ignore_errors=True)
@@ -219,7 +223,7 @@ def shard_write_bench(n: int = 400, log=print) -> Row:
     log(f"  fig3 shards: {n} samples, {mb:.1f} MB in {dt:.2f} s")
     return Row("3 shard writing (MB/s)", mb / dt, None, None, "info", None, "MB/s",
                {"samples": n, "mb": mb, "seconds": dt, "samples_per_s": n / dt},
-               [(f"in process: clipfinetune.data.shards.write_shards(<{n} samples of data/shards, images extracted to "
+               [(f"in process: clipfinetune.data.prepare.shards.write_shards(<{n} samples of data/shards, images extracted to "
                 "benchmarks/_work/shard_src>, benchmarks/_work/shard_out, maxcount=100, val_fraction=0.05)")])
 
 

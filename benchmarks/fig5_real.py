@@ -6,7 +6,7 @@
   breakdown on one fixed batch: ours, ours with text trimming off, and an open_clip-style step. Trimming runs the
   text tower up to the batch's longest caption instead of 77 positions: at real size the image tower (197 tokens
   x 768 wide) dominates the step, so trimming gains less than on the tiny model (figure 1).
-- SAM `vit_b` (random init, loaded from a checkpoint file by `clipfinetune.data.segments.build_sam`) through
+- SAM `vit_b` (random init, loaded from a checkpoint file by `clipfinetune.data.prepare.segments.build_sam`) through
   `SamAutomaticMaskGenerator` at the `segments` stage's settings (32 x 32 points, thresholds 0.88 / 0.95), masks ->
   boxes at 1%..80%: seconds per 1024 x 768 image.
 """
@@ -81,7 +81,7 @@ def sam_seconds_per_image(n_images: int = 2, size=(1024, 768)) -> dict:
     import torch
     from segment_anything import sam_model_registry
 
-    from clipfinetune.data.segments import build_sam, sam_masks_fn, segment_image
+    from clipfinetune.data.prepare.segments import build_sam, sam_masks_fn, segment_image
 
     torch.manual_seed(0)
     checkpoint = WORK / "sam_vit_b_random.pth"

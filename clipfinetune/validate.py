@@ -23,14 +23,19 @@ from pathlib import Path
 FILE_SUFFIXES = (".json", ".jsonl", ".jsonlines", ".parquet", ".pt", ".pth", ".safetensors", ".bin", ".txt", ".tsv")
 DIR_KEYS = ("images", "dir", "dci", "urban1k", "coco_images", "docci_images", "coco_order_images")
 # (param key, kind) of the single-path params; kind: file | dir | any
-PATH_PARAMS = [
-    ("word_regions.instances", "file"), ("word_regions.captions", "file"), ("sentences.docci", "file"),
-    ("segments.docci", "file"), ("segments.images", "dir"),
-    ("lism.docci", "file"), ("lism.images", "dir"), ("lism.sentences", "file"), ("lism.segments", "file"),
-    ("lism.ground_truth", "file"), ("negatives.captions", "file"),
-    ("shards.coco_captions", "file"), ("shards.coco_images", "dir"), ("shards.docci", "file"),
-    ("shards.docci_images", "dir"),
-]
+PATH_PARAMS = [("lism.sentences", "file"), ("lism.segments", "file"), ("lism.ground_truth", "file")]
+SOURCE_DIR_KEYS = ("images", "root")     # the other path keys of a source (readers' PATHS) are files
+
+
+def source_path_params(params: dict) -> list[tuple[str, str]]:
+    """(param key, kind) of every path of every source (`sources.<name>.<key>`, the keys its reader lists)."""
+    from clipfinetune.data.readers import reader
+
+    out = []
+    for name, spec in (params.get("sources") or {}).items():
+        for key in reader(spec["reader"]).PATHS:
+            out.append((f"sources.{name}.{key}", "dir" if key in SOURCE_DIR_KEYS else "file"))
+    return out
 
 
 @dataclass
@@ -196,7 +201,7 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
                            root, produced)
     found += check_lism_model(str(_get(params, "lism.model") or ""), str(_get(params, "lism.pretrained") or ""),
                               root, produced)
-    for key, kind in PATH_PARAMS:
+    for key, kind in PATH_PARAMS + source_path_params(params):
         found += check_path(key, _get(params, key), kind, root, produced)
 
     sam = _get(params, "segments.sam_checkpoint")

@@ -1,5 +1,9 @@
 """What every stage shares: its declared params, logging, and the run-by-hand switch.
 
+Every stage starts the same way: `import _common` (puts the repo on sys.path), then
+`args, params, log = start(__doc__, "<stage>")` (the parsed command line, the declared params, a logger), and
+ends with `params.check_all_read()`.
+
 A stage sees only the params dvc.yaml declares for it (`dvc.api.params_show(stages=[name])`), and
 `StageParams.check_all_read()` fails if a declared key was never read, so dvc.yaml and the code cannot
 drift apart (a stale declaration would re-run a stage for nothing).
@@ -99,3 +103,27 @@ def stage_inputs(stage: str) -> list[str]:
     with lockfile_skipped(), Repo(str(ROOT)) as repo:
         (info,) = repo.stage.collect_granular(stage)
         return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
+
+
+def start(doc: str, default_stage=None, add_arguments=None):
+    """Parse `--stage` (plus the stage's own arguments, added by `add_arguments(parser)`), load the params dvc.yaml
+    declares for the stage and set up logging. The stage name: --stage, else $DVC_STAGE, else `default_stage`
+    (a string, or for a `foreach` stage a function of the parsed arguments, e.g. `lambda a: f"eval@{a.model}"`)."""
+    parser = stage_parser((doc or "").strip().splitlines()[0] if doc else "")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    default = default_stage(args) if callable(default_stage) else default_stage
+    params = stage_params(args.stage or os.environ.get("DVC_STAGE") or default)
+    return args, params, setup_logging(params.stage)
+
+
+def source_specs(params: StageParams, names) -> dict[str, dict]:
+    """{name: params `sources.<name>`} for the source names a stage lists (an unknown name fails naming it)."""
+    names = [names] if isinstance(names, str) else list(names)
+    defined = params["sources"]
+    missing = [n for n in names if n not in defined]
+    if missing:
+        raise SystemExit(f"stage {params.stage}: sources {missing} are not defined under `sources` in params.yaml "
+                         f"(defined: {sorted(defined)})")
+    return {n: dict(defined[n]) for n in names}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
-from _common import setup_logging, stage_params, stage_parser
+from _common import start
 
 from clipfinetune.eval.items import to_frame
 from clipfinetune.eval.suite import evaluate_model
@@ -28,11 +28,8 @@ def load_exported(name: str):
 
 
 def main() -> None:
-    p = stage_parser(__doc__)
-    p.add_argument("--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)")
-    args = p.parse_args()
-    params = stage_params(args.stage or f"eval@{args.model}")
-    log = setup_logging(f"eval@{args.model}")
+    args, params, log = start(__doc__, lambda a: f"eval@{a.model}", lambda p: p.add_argument(
+        "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"))
     if params["eval.threads"]:
         torch.set_num_threads(int(params["eval.threads"]))
     text_encoder = params["eval.box_cls.text_encoder"]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
+from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stages._common import StageParams, setup_logging, stage_params, stage_parser
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import StageParams, source_specs, start
 
 OUT = Path("data/prepared/negatives.parquet")
 META = Path("data/prepared/negatives.meta.json")
@@ -23,8 +22,8 @@ METRICS = Path("metrics/negatives.json")
 
 
 def make_backend(p: StageParams):
-    from clipfinetune.data.llm_negatives import OfflineBackend, ServerBackend
-    from clipfinetune.data.negative_rules_degla import RulesBackend
+    from clipfinetune.data.negatives.degla.llm import OfflineBackend, ServerBackend
+    from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 
     # read every declared key whatever the backend, so dvc.yaml and the code cannot drift apart
     cfg = {k: p[f"negatives.{k}"] for k in ("backend", "base_url", "model", "api_key_env", "concurrency",
@@ -50,12 +49,14 @@ def make_backend(p: StageParams):
 def run(p: StageParams, log) -> dict:
     import pandas as pd
 
-    from clipfinetune.data.degla_negatives import COLUMNS, generate_negatives, load_coco_captions
-    from clipfinetune.data.llm_negatives import prompt_version
-    from clipfinetune.data.negatives_cache import AnswerCache
+    from clipfinetune.data.negatives.degla.cache import AnswerCache
+    from clipfinetune.data.negatives.degla.generate import COLUMNS, caption_records, generate_negatives
+    from clipfinetune.data.negatives.degla.llm import prompt_version
+    from clipfinetune.data.readers import read_source, source_paths
     from clipfinetune.io import write_json, write_parquet
 
-    captions_path = Path(p["negatives.captions"])
+    name = p["negatives.source"]
+    spec = source_specs(p, name)[name]
     per_caption = int(p["negatives.per_caption"])
     cache_dir = Path(p["negatives.cache_dir"])
     backend, cfg = make_backend(p)
@@ -63,14 +64,15 @@ def run(p: StageParams, log) -> dict:
     if backend.name == "rules":
         log.info("negatives: backend=rules (spaCy/WordNet, no LLM) -- set negatives.backend: server|offline "
                  "to use an LLM as DeGLA does")
-    records, skips = load_coco_captions(captions_path)
+    skips: Counter = Counter()
+    records = caption_records(read_source(name, spec, skips))
     pv = prompt_version() if backend.name != "rules" else "rules"
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{backend.name}-{backend.model}")
     t0 = time.time()
     with AnswerCache(cache_dir / f"answers-{slug}.jsonl") as cache:
         rows, stats = generate_negatives(records, backend, cache, pv, per_caption=per_caption,
                                          seed=int(cfg["seed"]))
-    stats.update(seconds=round(time.time() - t0, 2), captions_file=str(captions_path),
+    stats.update(seconds=round(time.time() - t0, 2), captions_file=source_paths(spec)[0],
                  skipped=dict(skips), cache_file=str(cache.path))
     if backend.name == "offline":
         stats["vllm_version"] = backend.vllm_version
@@ -88,9 +90,8 @@ def run(p: StageParams, log) -> dict:
 
 
 def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    p = stage_params(args.stage or "negatives")
-    run(p, setup_logging(p.stage))
+    _, params, log = start(__doc__, "negatives")
+    run(params, log)
 
 
 if __name__ == "__main__":

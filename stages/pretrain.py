@@ -1,8 +1,9 @@
-"""Stage `pretrain`: the small base CLIP, trained from scratch on the sample world's short captions -> models/base/.
+"""Stage `pretrain`: the small base CLIP, trained from scratch on the short captions of `pretrain.sources` ->
+models/base/.
 
-Global contrastive (the plain CLIP method) on every training image with one of its COCO captions drawn at random
-each epoch, read directly from data/sample/annotations/captions_train.json + data/sample/images/train (not the
-shards: they need LISM pairs, and LISM on the sample world uses this model).
+Global contrastive (the plain CLIP method) on every image of those sources with one of its captions drawn at
+random each epoch, read by the sources' readers (not the shards: they need LISM pairs, and LISM on the sample
+world uses this model).
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -19,18 +20,15 @@ from __future__ import annotations
 import os
 import shutil
 
-from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
-
-CAPTIONS = "data/sample/annotations/captions_train.json"
-IMAGES = "data/sample/images/train"
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import ROOT, source_specs, stage_inputs, start
 
 
 def main() -> None:
-    args = stage_parser(__doc__.splitlines()[0]).parse_args()
-    params = stage_params(args.stage or None)
-    log = setup_logging(params.stage)
+    _, params, log = start(__doc__, "pretrain")
     name, pretrained, precision = params["model.name"], params["model.pretrained"], params["model.precision"]
-    settings = params["pretrain"]
+    settings = {k: v for k, v in params["pretrain"].items() if k != "sources"}
+    sources = source_specs(params, params["pretrain.sources"])
     out, live_dir = ROOT / "models" / "base", ROOT / "dvclive" / "pretrain"
 
     from clipfinetune.io import write_json
@@ -46,6 +44,7 @@ def main() -> None:
         params.check_all_read()
         return
 
+    from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
     from clipfinetune.train.checkpoint import seed_everything
@@ -59,8 +58,9 @@ def main() -> None:
         cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)
-        source = CaptionPairSource(ROOT / CAPTIONS, ROOT / IMAGES, model.transform, model.tokenize,
-                                   cfg.micro_batch_size, cfg.seed, dist.rank, dist.world_size)
+        records = [r for n, spec in sources.items() for r in read_source(n, spec)]
+        source = CaptionPairSource(records, model.transform, model.tokenize, cfg.micro_batch_size, cfg.seed,
+                                   dist.rank, dist.world_size)
         log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)

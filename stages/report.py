@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401
-from _common import setup_logging, stage_params, stage_parser
+from _common import start
 
 from clipfinetune.eval.plots import write_plots
 from clipfinetune.eval.report import load_items, load_metrics, render_markdown, summarize
@@ -16,9 +16,7 @@ from clipfinetune.io import atomic_path, write_json
 
 
 def main() -> None:
-    args = stage_parser(__doc__).parse_args()
-    params = stage_params(args.stage or "report")
-    log = setup_logging("report")
+    _, params, log = start(__doc__, "report")
     models = list(params["eval.models"])
     metrics = load_metrics({m: Path("metrics") / f"{m}.json" for m in models})
     items = load_items({m: Path("metrics") / "items" / f"{m}.parquet" for m in models})

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import time
 
-from _common import ROOT, setup_logging, stage_params, stage_parser
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import ROOT, start
 
 from clipfinetune.io import atomic_path
 from clipfinetune.sample import WorldConfig, generate_world
@@ -14,9 +15,7 @@ KEYS = ["seed", "image_size", "n_train", "n_val", "n_docci_train", "n_docci_test
 
 
 def main() -> None:
-    args = stage_parser(__doc__).parse_args()
-    params = stage_params(args.stage or None)
-    log = setup_logging(params.stage)
+    _, params, log = start(__doc__, "sample")
     cfg = WorldConfig(**{k: int(params[f"sample.{k}"]) for k in KEYS})
     params.check_all_read()
     t0 = time.perf_counter()

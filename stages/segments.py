@@ -1,4 +1,5 @@
-"""Stage `segments` (GOAL/LISM step 1): DOCCI images -> segment boxes (SAM, or the CPU segmenter).
+"""Stage `segments` (GOAL/LISM step 1): the images of `segments.source` (every split) -> segment boxes (SAM, or
+the CPU segmenter).
 
 Under torchrun each rank segments a strided slice of the images and rank 0 merges the parts in image order,
 so a sharded run writes exactly what a single run writes.
@@ -11,34 +12,26 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 import numpy as np
 import pandas as pd
-from _common import setup_logging, stage_params, stage_parser
+from _common import source_specs, start
 
-from clipfinetune.data.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image, shard_of
-from clipfinetune.io import InputError, read_image, read_jsonlines, write_json, write_parquet
+from clipfinetune.data.prepare.segments import (
+    build_sam,
+    felzenszwalb_masks,
+    sam_masks_fn,
+    segment_image,
+    shard_of,
+)
+from clipfinetune.data.readers import read_source
+from clipfinetune.io import InputError, write_json, write_parquet
 
 OUT = Path("data/prepared/segments.parquet")
 
 
-def read_docci_images(jsonl: Path, images: Path) -> list[tuple[str, Path]]:
-    items, seen = [], set()
-    for line_no, rec in read_jsonlines(jsonl):
-        try:
-            image_id, image_file = str(rec["example_id"]), rec["image_file"]
-        except (KeyError, TypeError) as e:
-            raise InputError(jsonl, f"line {line_no}", f"not a DOCCI record ({e})") from e
-        if image_id in seen:
-            raise InputError(jsonl, image_id, f"duplicate example_id (line {line_no})")
-        seen.add(image_id)
-        items.append((image_id, images / image_file))
-    return sorted(items)
-
-
 def main() -> None:
-    args = stage_parser(__doc__).parse_args()
-    params = stage_params(args.stage or "segments")
-    log = setup_logging("segments")
+    _, params, log = start(__doc__, "segments")
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    items = read_docci_images(Path(params["segments.docci"]), Path(params["segments.images"]))
+    name = params["segments.source"]
+    items = sorted(((r.image_id, r) for r in read_source(name, source_specs(params, name)[name])), key=lambda t: t[0])
     checkpoint = params["segments.sam_checkpoint"]
     min_area, max_area = params["segments.min_area"], params["segments.max_area"]
     sam_settings = {k: params[f"segments.{k}"] for k in
@@ -55,12 +48,12 @@ def main() -> None:
         log.warning("no SAM checkpoint configured: using the CPU segmenter, %s", segmenter)
 
     rows, skipped = [], []
-    for image_id, path in shard_of(items, rank, world_size):
+    for image_id, record in shard_of(items, rank, world_size):
         try:
-            image = np.asarray(read_image(path, record=image_id))
+            image = np.asarray(record.read_image())
         except InputError as e:
-            skipped.append({"image_id": image_id, "file": str(path), "reason": str(e)})
-            log.warning("skipping unreadable image %s (%s): %s", path, image_id, e)
+            skipped.append({"image_id": image_id, "file": str(record.path), "reason": str(e)})
+            log.warning("skipping unreadable image %s (%s): %s", record.path, image_id, e)
             continue
         for k, seg in enumerate(segment_image(image, masks_fn, min_area, max_area)):
             rows.append({"image_id": image_id, "segment_id": k, "x0": seg.box[0], "y0": seg.box[1],

@@ -1,25 +1,26 @@
-"""Stage `sentences` (MulCLIP, GOAL): DOCCI long captions -> data/prepared/sentences.parquet + meta."""
+"""Stage `sentences` (MulCLIP, GOAL): the long captions of `sentences.sources` -> data/prepared/sentences.parquet
++ meta."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import setup_logging, stage_params, stage_parser
+from _common import source_specs, start
 
-from clipfinetune.data.sentences import read_docci, split_sentences
+from clipfinetune.data.prepare.sentences import split_sentences
+from clipfinetune.data.readers import read_source, source_paths
 from clipfinetune.io import write_json, write_parquet
 
 OUT = Path("data/prepared/sentences.parquet")
 
 
 def main() -> None:
-    args = stage_parser(__doc__).parse_args()
-    params = stage_params(args.stage or "sentences")
-    log = setup_logging("sentences")
-    docci = params["sentences.docci"]
-    records = read_docci(docci)        # every split: LISM also builds GOAL's joint test list
+    _, params, log = start(__doc__, "sentences")
+    specs = source_specs(params, params["sentences.sources"])
+    records = [r for name, spec in specs.items() for r in read_source(name, spec)]   # every split
     frame, meta = split_sentences(records, max_sentences=params["sentences.max_sentences"])
-    meta = {"docci_file": docci, "records": len(records), **meta}
+    files = {f"{name}_file": source_paths(spec)[0] for name, spec in specs.items()}
+    meta = {**files, "records": len(records), **meta}
     write_parquet(OUT, frame)
     write_json(OUT.with_name("sentences.meta.json"), meta)
     log.info("%d sentences from %d long captions (%s); %d dropped over the cap of %d, %d empty captions skipped",

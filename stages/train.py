@@ -16,9 +16,8 @@ unchanged resumes; after `dvc exp run -S ...` or a code change the run starts fr
 """
 from __future__ import annotations
 
-import os
-
-from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import ROOT, stage_inputs, start
 
 LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
 METHOD_GROUPS = ("loss", "ablations", "custom", "model", "sentences")
@@ -55,13 +54,13 @@ def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]
     return settings, config
 
 
-def main() -> None:
-    parser = stage_parser(__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
     parser.add_argument("--run", required=True, help="run name (the foreach key), e.g. clip, fsc_lhn_only")
     parser.add_argument("--method", required=True, help="method name, e.g. clip, fsc_clip")
-    args = parser.parse_args()
-    params = stage_params(args.stage or os.environ.get("DVC_STAGE") or f"train@{args.run}")
-    log = setup_logging(params.stage)
+
+
+def main() -> None:
+    args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments)
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.io import write_json

@@ -1,23 +1,26 @@
-"""Stage `word_regions` (HarmoCLIP): COCO instances + captions -> data/prepared/word_regions.parquet + meta."""
+"""Stage `word_regions` (HarmoCLIP): a COCO source's instances + captions -> data/prepared/word_regions.parquet
++ meta."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import setup_logging, stage_params, stage_parser
+from _common import source_specs, start
 
-from clipfinetune.data.coco import load_json
-from clipfinetune.data.word_regions import build_word_regions
+from clipfinetune.data.prepare.word_regions import build_word_regions
+from clipfinetune.data.readers.coco import load_json
 from clipfinetune.io import write_json, write_parquet
 
 OUT = Path("data/prepared/word_regions.parquet")
 
 
 def main() -> None:
-    args = stage_parser(__doc__).parse_args()
-    params = stage_params(args.stage or "word_regions")
-    log = setup_logging("word_regions")
-    instances_path, captions_path = params["word_regions.instances"], params["word_regions.captions"]
+    _, params, log = start(__doc__, "word_regions")
+    name = params["word_regions.source"]
+    spec = source_specs(params, name)[name]
+    if spec.get("reader") != "coco" or not spec.get("instances"):
+        raise SystemExit(f"word_regions.source: {name!r} must be a COCO source with `instances` (got {spec})")
+    instances_path, captions_path = spec["instances"], spec["captions"]
     frame, meta = build_word_regions(load_json(instances_path), load_json(captions_path),
                                      lemmatizer=params["word_regions.lemmatizer"],
                                      instance_rule=params["word_regions.instance_rule"],

@@ -15,7 +15,7 @@ from PIL import Image
 from test_data_helpers import StubMethod, World, jpeg, key_id
 
 from clipfinetune.data.loader import ExampleContext, ShardLoader
-from clipfinetune.data.shards import build_shards
+from clipfinetune.data.prepare.shards import build_shards
 
 
 def transform(im):
@@ -29,9 +29,11 @@ CTX = ExampleContext(transform, tokenize=lambda t: torch.zeros(len(t), 5, dtype=
 def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")
     World(root, n_coco=30, n_docci=14)
-    build_shards(root / "shards", prepared_dir=root / "prepared", coco_captions=root / "captions.json",
-                 coco_images=root / "coco", docci=root / "docci.jsonlines", docci_images=root / "docci",
-                 maxcount=6, val_fraction=0.15)
+    sources = {"coco": {"reader": "coco", "captions": root / "captions.json", "images": root / "coco"},
+               "docci": {"reader": "docci", "descriptions": root / "docci.jsonlines", "images": root / "docci"}}
+    build_shards(root / "shards", prepared_dir=root / "prepared", sources=sources, splits=["train"],
+                 prepared_from={"word_regions": "coco", "negatives": "coco", "local_pairs": "docci",
+                                "sentences": ["docci"]}, maxcount=6, val_fraction=0.15)
     return root / "shards"
 
 
@@ -141,9 +143,9 @@ def test_resize_boxes_and_crop():
 
 
 def test_context_delegates_token_span_and_online_negatives(monkeypatch):
-    fake = types.ModuleType("clipfinetune.data.rule_negatives")
+    fake = types.ModuleType("clipfinetune.data.negatives.rules")
     fake.online_negatives = lambda caption, rng: {"negclip": caption[::-1], "replace": None, "shuffle": rng.random()}
-    monkeypatch.setitem(sys.modules, "clipfinetune.data.rule_negatives", fake)
+    monkeypatch.setitem(sys.modules, "clipfinetune.data.negatives.rules", fake)
     ctx = ExampleContext(None, None, 8, token_span=lambda text, s, e: list(range(s, e)))
     out = ctx.online_negatives("abc", random.Random(1))
     assert out == {"negclip": "cba", "replace": None, "shuffle": random.Random(1).random()}

@@ -5,19 +5,13 @@ import json
 
 import pytest
 
-from clipfinetune.data.sentences import (
-    COLUMNS,
-    read_dci,
-    read_docci,
-    read_sharegpt4v,
-    read_urban1k,
-    split_sentences,
-)
+from clipfinetune.data.prepare.sentences import COLUMNS, split_sentences
+from clipfinetune.data.readers import Record, dci, docci, sharegpt4v, urban1k
 from clipfinetune.io import InputError
 
 
 def rec(text, image_id="a", source="docci"):
-    return {"image_id": image_id, "source": source, "long_caption": text}
+    return Record(source=source, image_id=image_id, image=f"{image_id}.jpg", long_caption=text)
 
 
 def texts(frame, image_id="a"):
@@ -70,34 +64,38 @@ def test_docci_reader_keeps_splits_and_rejects_bad_lines(tmp_path):
     p = tmp_path / "docci_descriptions.jsonlines"
     p.write_text('{"example_id": "train_00000", "split": "train", "image_file": "train_00000.jpg", "description": "A."}\n'
                  '{"example_id": "test_00000", "split": "test", "image_file": "test_00000.jpg", "description": "B."}\n')
-    assert [r["image_id"] for r in read_docci(p)] == ["train_00000", "test_00000"]
-    assert [r["image"] for r in read_docci(p, splits=("train",))] == ["train_00000.jpg"]
+    assert [r.image_id for r in docci.read(p)] == ["train_00000", "test_00000"]
+    assert [(r.image, r.split) for r in docci.read(p, splits=("train",))] == [("train_00000.jpg", "train")]
     p.write_text('{"example_id": "train_00001", "split": "train"}\n')
     with pytest.raises(InputError, match="train_00001.*missing keys"):
-        read_docci(p)
+        docci.read(p)
+    p.write_text('{"example_id": "train_00001", "image_file": "a.jpg", "description": "A."}\n')
+    with pytest.raises(InputError, match="train_00001.*missing keys.*split"):     # no default split
+        docci.read(p)
 
 
 def test_dci_urban1k_sharegpt4v_readers(tmp_path):
-    dci = tmp_path / "densely_captioned_images"
-    (dci / "complete").mkdir(parents=True)
-    (dci / "complete" / "sa_1.json").write_text(json.dumps(
+    dci_root = tmp_path / "densely_captioned_images"
+    (dci_root / "complete").mkdir(parents=True)
+    (dci_root / "complete" / "sa_1.json").write_text(json.dumps(
         {"image": "sa_1.jpg", "short_caption": "A door.", "extra_caption": "The door is blue. Ivy grows.", "mask_data": {}}))
-    (dci / "splits.json").write_text(json.dumps({"train": ["sa_1.json"], "test": []}))
-    (r,) = read_dci(dci, split="train")
-    assert (r["image_id"], r["source"], r["long_caption"], r["image"]) == ("sa_1", "dci", "The door is blue. Ivy grows.",
-                                                                           "photos/sa_1.jpg")
+    (dci_root / "splits.json").write_text(json.dumps({"train": ["sa_1.json"], "test": []}))
+    (r,) = dci.read(dci_root, splits=["train"])
+    assert (r.image_id, r.source, r.long_caption, r.path, r.split) == (
+        "sa_1", "dci", "The door is blue. Ivy grows.", dci_root / "photos" / "sa_1.jpg", "train")
     urban = tmp_path / "Urban1k"
     (urban / "caption").mkdir(parents=True)
     for n in (10, 2):
         (urban / "caption" / f"{n}.txt").write_text(f"Street {n} at dusk. Cars pass.\nsecond line ignored\n")
-    assert [(r["image_id"], r["long_caption"], r["image"]) for r in read_urban1k(urban)] == [
-        ("2", "Street 2 at dusk. Cars pass.", "image/2.jpg"), ("10", "Street 10 at dusk. Cars pass.", "image/10.jpg")]
+    assert [(r.image_id, r.long_caption, r.path) for r in urban1k.read(urban)] == [
+        ("2", "Street 2 at dusk. Cars pass.", urban / "image" / "2.jpg"),
+        ("10", "Street 10 at dusk. Cars pass.", urban / "image" / "10.jpg")]
     share = tmp_path / "sharegpt4v.json"
     share.write_text(json.dumps([{"id": f"{i:012d}", "image": f"coco/train2017/{i:012d}.jpg", "conversations": [
         {"from": "human", "value": "<image>\nDescribe."}, {"from": "gpt", "value": f"Lunch box {i}.\nBroccoli."}]}
         for i in range(3)]))
-    recs = read_sharegpt4v(share, skip_first=1)
-    assert [(r["image_id"], r["long_caption"]) for r in recs] == [("000000000001", "Lunch box 1.\nBroccoli."),
+    recs = sharegpt4v.read(share, skip_first=1)
+    assert [(r.image_id, r.long_caption) for r in recs] == [("000000000001", "Lunch box 1.\nBroccoli."),
                                                                    ("000000000002", "Lunch box 2.\nBroccoli.")]
     frame, meta = split_sentences(recs)
     assert texts(frame, "000000000001") == ["Lunch box 1.", "Broccoli."]       # a line break ends a sentence

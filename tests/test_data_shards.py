@@ -11,17 +11,25 @@ import pytest
 import torch
 from test_data_helpers import World, jpeg
 
-from clipfinetune.data.shards import build_shards
+from clipfinetune.data.prepare.shards import build_shards
 from clipfinetune.io import InputError
 
 KEYS = {"image_id", "source", "width", "height", "captions", "long_caption", "word_regions", "sentences",
         "local_pair", "negatives"}
 
 
+def sources(world: World) -> dict:
+    return {"coco": {"reader": "coco", "captions": world.root / "captions.json", "images": world.root / "coco"},
+            "docci": {"reader": "docci", "descriptions": world.root / "docci.jsonlines",
+                      "images": world.root / "docci"}}
+
+
+PREPARED_FROM = {"word_regions": "coco", "negatives": "coco", "local_pairs": "docci", "sentences": ["docci"]}
+
+
 def build(world: World, out: Path, **kw):
-    args = {"prepared_dir": world.root / "prepared", "coco_captions": world.root / "captions.json",
-            "coco_images": world.root / "coco", "docci": world.root / "docci.jsonlines",
-            "docci_images": world.root / "docci", "maxcount": 8, "val_fraction": 0.2}
+    args = {"prepared_dir": world.root / "prepared", "sources": sources(world), "prepared_from": PREPARED_FROM,
+            "splits": ["train"], "maxcount": 8, "val_fraction": 0.2}
     return build_shards(out, **{**args, **kw})
 
 
@@ -144,6 +152,19 @@ def test_stale_annotation_rows_are_dropped_and_counted(tmp_path):
     assert meta["negatives_stale_dropped"] == 1 and meta["word_regions_stale_dropped"] == 1
     rec = json.loads(read_all(tmp_path / "out")["coco_1"]["json"])
     assert rec["word_regions"] == [] and rec["negatives"][0]["texts"] == ["A circle and two squares 1."]
+
+
+def test_a_table_joins_only_the_records_of_its_own_source(tmp_path):
+    """The same image ids under another source name get none of the coco source's word regions or negatives."""
+    world = World(tmp_path / "w", n_coco=3, n_docci=1)
+    specs = sources(world)
+    specs["other"] = dict(specs["coco"])
+    meta = build(world, tmp_path / "out", sources=specs)
+    samples = read_all(tmp_path / "out")
+    coco, other = json.loads(samples["coco_3"]["json"]), json.loads(samples["other_3"]["json"])
+    assert coco["word_regions"] and coco["negatives"]
+    assert other["captions"] == coco["captions"] and other["word_regions"] == [] and other["negatives"] == []
+    assert meta["samples_train"] + meta["samples_val"] == 2 * 3 + 1
 
 
 def test_a_missing_prepared_file_names_its_stage(tmp_path):

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 from test_data_helpers import coco_pair, img
 
-from clipfinetune.data import instance_boxes
-from clipfinetune.data import word_regions as wrmod
-from clipfinetune.data.word_regions import COLUMNS, build_word_regions
+from clipfinetune.data.prepare import instance_boxes
+from clipfinetune.data.prepare import word_regions as wrmod
+from clipfinetune.data.prepare.word_regions import COLUMNS, build_word_regions
 from clipfinetune.io import InputError
 
 CATS = ["circle", "mouse", "ski", "traffic light", "teddy bear", "bear", "person", "box"]   # ids 1..8
@@ -181,7 +181,7 @@ def test_an_empty_result_keeps_the_schema_dtypes():
 
 
 def test_load_json_reads_like_the_stdlib_reference(tmp_path):
-    from clipfinetune.data.coco import load_json, load_json_stdlib
+    from clipfinetune.data.readers.coco import load_json, load_json_stdlib
 
     good = tmp_path / "good.json"
     good.write_text('{"images": [{"id": 1, "w": 0.30000000000000004, "c": "caf\\u00e9 \\ud83d\\ude00"}], "x": -0.0}')

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from clipfinetune.data.lism import (
+from clipfinetune.data.prepare.lism import (
     SentenceMatch,
     box_iou,
     choose_test_pair,
@@ -14,7 +14,7 @@ from clipfinetune.data.lism import (
     match_sentences,
     measure_against_ground_truth,
 )
-from clipfinetune.data.segments import (
+from clipfinetune.data.prepare.segments import (
     felzenszwalb_masks,
     filter_segments,
     mask_to_box,
@@ -69,7 +69,7 @@ def test_sam_path_with_real_sam_without_checkpoint(monkeypatch):
     from segment_anything.build_sam import _build_sam
     from segment_anything.modeling import Sam
 
-    from clipfinetune.data.segments import build_sam, sam_masks_fn
+    from clipfinetune.data.prepare.segments import build_sam, sam_masks_fn
 
     with torch.device("meta"):
         vit_b = build_sam("vit_b", checkpoint=None, device="meta")
@@ -179,10 +179,11 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
                   for k, t in enumerate(("A red box.", "A blue square."))]).to_parquet(tmp_path / "sentences.parquet")
     pd.DataFrame([{"image_id": ex, "segment_id": 0, "x0": 10.0, "y0": 5.0, "x1": 30.0, "y1": 21.0, "area_frac": 0.06}
                   for ex in ids]).to_parquet(tmp_path / "segments.parquet")
-    params = StageParams("lism", {"lism": {
-        "model": "matcher", "pretrained": "", "docci": "docci.jsonlines", "images": ".",
-        "sentences": "sentences.parquet", "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
-    monkeypatch.setattr(stage, "stage_params", lambda name=None: params)
+    params = StageParams("lism", {
+        "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
+        "lism": {"model": "matcher", "pretrained": "", "source": "docci", "sentences": "sentences.parquet",
+                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
+    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism"])
     stage.main()
     metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]
@@ -196,7 +197,7 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
 
 def test_match_image_forwards_at_one_thread_whatever_the_callers_count(monkeypatch):
     """The scores are written to disk: their bits must not follow the caller's torch thread count (issue 26)."""
-    from clipfinetune.data.lism import match_image
+    from clipfinetune.data.prepare.lism import match_image
     from clipfinetune.models import load_model
 
     torch.manual_seed(0)

@@ -34,8 +34,8 @@ def make_features(seed=0, b=B):
         "neg_text": F.normalize(rnd(b, K, D), dim=-1),
         "neg_valid": neg_valid,
         "patches": rnd(b, P, D) * 2,
-        "tokens": rnd(b, 1 + K, L, D) * 2,
-        "token_mask": token_mask,
+        "text_tokens": rnd(b, 1 + K, L, D) * 2,
+        "text_mask": token_mask,
         "logit_scale": torch.tensor(4.0, dtype=torch.float64),
     }
 
@@ -45,7 +45,7 @@ def module_global(f, gamma=GAMMA, beta=BETA):
 
 
 def module_local(f, weighting="minmax", gamma=GAMMA, beta=BETA):
-    return local_hn_loss(f["patches"], f["tokens"], f["token_mask"], f["neg_valid"], f["logit_scale"],
+    return local_hn_loss(f["patches"], f["text_tokens"], f["text_mask"], f["neg_valid"], f["logit_scale"],
                          gamma, beta, weighting)
 
 
@@ -54,7 +54,7 @@ def ref_global(f, gamma=GAMMA, beta=BETA):
 
 
 def ref_local(f, weighting="minmax", gamma=GAMMA, beta=BETA, detach_weights=True):
-    return ref.local_hn_loss(f["patches"], f["tokens"], f["token_mask"], f["neg_valid"], f["logit_scale"],
+    return ref.local_hn_loss(f["patches"], f["text_tokens"], f["text_mask"], f["neg_valid"], f["logit_scale"],
                              gamma, beta, weighting, detach_weights)
 
 
@@ -68,7 +68,7 @@ def test_global_hn_loss_matches_reference_values_and_gradients():
 def test_local_hn_loss_matches_reference_values_and_gradients(weighting):
     f = make_features(1)
     assert_value_and_grads_match(lambda x: module_local(x, weighting), lambda x: ref_local(x, weighting), f,
-                                 ["patches", "tokens", "logit_scale"])
+                                 ["patches", "text_tokens", "logit_scale"])
 
 
 def test_module_returns_weighted_terms_eq_11():
@@ -93,14 +93,14 @@ def test_missing_negative_is_masked_not_a_zero_logit():
     # the invalid negative's features (global and tokens) do not matter at all
     g = {k: v.clone() for k, v in f.items()}
     g["neg_text"][0, 1] = F.normalize(torch.randn(D, dtype=torch.float64), dim=0)
-    g["tokens"][0, 2] = torch.randn(L, D, dtype=torch.float64) * 5
+    g["text_tokens"][0, 2] = torch.randn(L, D, dtype=torch.float64) * 5
     torch.testing.assert_close(module_global(f), module_global(g), rtol=0, atol=0)
     torch.testing.assert_close(module_local(f), module_local(g), rtol=0, atol=0)
     # it is as if the negative were absent: row 0 alone equals row 0 with that column removed
     keep = [0, 2]
     one = {k: v[:1] for k, v in f.items() if k != "logit_scale"} | {"logit_scale": f["logit_scale"]}
     removed = dict(one, neg_text=one["neg_text"][:, keep], neg_valid=one["neg_valid"][:, keep],
-                   tokens=one["tokens"][:, [0, 1, 3]], token_mask=one["token_mask"][:, [0, 1, 3]])
+                   text_tokens=one["text_tokens"][:, [0, 1, 3]], text_mask=one["text_mask"][:, [0, 1, 3]])
     torch.testing.assert_close(module_global(one), module_global(removed))
     torch.testing.assert_close(module_local(one), module_local(removed))
     # ... and not the authors' zero vector with logit 0 (METHODS §6.2), which changes the softmax
@@ -111,14 +111,14 @@ def test_missing_negative_is_masked_not_a_zero_logit():
 
 def test_negative_without_tokens_counts_as_missing():
     f = make_features(5)
-    g = dict(f, token_mask=f["token_mask"].clone(), neg_valid=f["neg_valid"].clone())
-    g["token_mask"][1, 3] = False                       # negative 2 of sample 1 has no token
+    g = dict(f, text_mask=f["text_mask"].clone(), neg_valid=f["neg_valid"].clone())
+    g["text_mask"][1, 3] = False                       # negative 2 of sample 1 has no token
     h = dict(f, neg_valid=f["neg_valid"].clone())
     h["neg_valid"][1, 2] = False
     torch.testing.assert_close(module_local(g), module_local(h))
     fg = with_grad(g)
     module_local(fg).backward()
-    assert torch.isfinite(fg["tokens"].grad).all() and torch.isfinite(fg["patches"].grad).all()
+    assert torch.isfinite(fg["text_tokens"].grad).all() and torch.isfinite(fg["patches"].grad).all()
 
 
 def test_rows_without_negatives_are_dropped():
@@ -136,7 +136,7 @@ def test_batch_without_any_negative_gives_zero_with_finite_gradient():
     assert terms["global_hn"].item() == 0 and terms["local_hn"].item() == 0
     assert terms["global_hn"].requires_grad and terms["local_hn"].requires_grad
     sum(terms.values()).backward()
-    for k in ["image", "text", "neg_text", "patches", "tokens", "logit_scale"]:
+    for k in ["image", "text", "neg_text", "patches", "text_tokens", "logit_scale"]:
         assert f[k].grad is not None and torch.isfinite(f[k].grad).all(), k
     assert f["patches"].grad.abs().max() == 0           # only the contrastive term moves anything
 
@@ -172,7 +172,7 @@ def test_constant_similarity_row_gives_uniform_weights_and_no_nan():
     loss = module_local(f)
     torch.testing.assert_close(loss, ref_local(make_features(9) | {"patches": f["patches"].detach()}))
     loss.backward()
-    assert torch.isfinite(f["patches"].grad).all() and torch.isfinite(f["tokens"].grad).all()
+    assert torch.isfinite(f["patches"].grad).all() and torch.isfinite(f["text_tokens"].grad).all()
 
 
 def test_attention_weights_carry_no_gradient():
@@ -182,9 +182,9 @@ def test_attention_weights_carry_no_gradient():
     ref_local(f_detached, detach_weights=True).backward()
     ref_local(f_live, detach_weights=False).backward()
     torch.testing.assert_close(fm["patches"].grad, f_detached["patches"].grad)
-    torch.testing.assert_close(fm["tokens"].grad, f_detached["tokens"].grad)
+    torch.testing.assert_close(fm["text_tokens"].grad, f_detached["text_tokens"].grad)
     # differentiating through eq. (6)-(7) would give another gradient, so the check above is meaningful
-    assert not torch.allclose(fm["tokens"].grad, f_live["tokens"].grad)
+    assert not torch.allclose(fm["text_tokens"].grad, f_live["text_tokens"].grad)
 
 
 def test_all_gradients_finite_in_float32():
@@ -192,14 +192,14 @@ def test_all_gradients_finite_in_float32():
     f["logit_scale"] = torch.tensor(100.0, requires_grad=True)
     terms = FscClipLoss()(f)
     sum(terms.values()).backward()
-    for k in ["image", "text", "neg_text", "patches", "tokens", "logit_scale"]:
+    for k in ["image", "text", "neg_text", "patches", "text_tokens", "logit_scale"]:
         assert torch.isfinite(f[k].grad).all(), k
     assert all(torch.isfinite(v) for v in terms.values())
 
 
 def test_zero_weight_skips_the_term_and_its_inputs():
     f = make_features(12)
-    terms = FscClipLoss(lambda_l=0.0)({k: v for k, v in f.items() if k not in ("patches", "tokens", "token_mask")})
+    terms = FscClipLoss(lambda_l=0.0)({k: v for k, v in f.items() if k not in ("patches", "text_tokens", "text_mask")})
     assert terms["local_hn"].item() == 0
     with pytest.raises(ValueError):
         FscClipLoss(lhn_weighting="max")

@@ -133,8 +133,8 @@ def test_fsc_clip_forward_terms_and_grads(tiny):
     caption_negs = {"negclip": "x y z", "replace": "a b", "shuffle": None}
     ctx = FixedNegativesContext(model, lambda c: caption_negs)
     features = module(batch_of(method, model, ctx))
-    b, c, length, d = features["tokens"].shape
-    assert (b, c, d) == (4, 4, model.embed_dim) and features["token_mask"].shape == (4, 4, length)
+    b, c, length, d = features["text_tokens"].shape
+    assert (b, c, d) == (4, 4, model.embed_dim) and features["text_mask"].shape == (4, 4, length)
     assert features["patches"].shape == (4, model.num_patches, model.embed_dim)
     assert features["neg_text"].shape == (4, 3, model.embed_dim)
     backward_and_check(model, method.loss()(features), {"contrastive", "global_hn", "local_hn"})
@@ -154,7 +154,7 @@ def test_fsc_clip_global_only_never_computes_token_features(tiny, monkeypatch):
     method = get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.0)
     features = method.build(model)(batch_of(method, model, ctx))
     assert calls == {"image_features": 0, "text_features": 0}
-    assert "tokens" not in features and "patches" not in features
+    assert "text_tokens" not in features and "patches" not in features
     backward_and_check(model, method.loss()(features), {"contrastive", "global_hn", "local_hn"})
     full = get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.5)
     full.build(model)(batch_of(full, model, ctx))

@@ -5,11 +5,12 @@ from collections import Counter
 
 import pytest
 
-from clipfinetune.data.degla_negatives import COLUMNS, generate_negatives, load_coco_captions
-from clipfinetune.data.llm_negatives import N_EXAMPLES, build_prompt, fewshot_bank
-from clipfinetune.data.negative_rules_degla import RulesBackend
-from clipfinetune.data.negative_validators import TYPES, check
-from clipfinetune.data.negatives_cache import AnswerCache
+from clipfinetune.data.negatives.degla.cache import AnswerCache
+from clipfinetune.data.negatives.degla.generate import COLUMNS, caption_records, generate_negatives
+from clipfinetune.data.negatives.degla.llm import N_EXAMPLES, build_prompt, fewshot_bank
+from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
+from clipfinetune.data.negatives.degla.validators import TYPES, check
+from clipfinetune.data.readers import coco
 from clipfinetune.io import InputError
 
 CAP = "a large red circle to the left of a small blue square"
@@ -133,14 +134,19 @@ def test_cache_survives_a_truncated_last_line(tmp_path):
     assert "k1" in c and "k3" in c and c.corrupt_lines == 1
 
 
-def test_load_coco_captions_counts_bad_records_and_names_missing_file(tmp_path):
+def test_caption_records_take_the_coco_readers_caption_index_and_name_bad_records(tmp_path):
     f = tmp_path / "captions_train.json"
-    f.write_text(json.dumps({"annotations": [
+    images = [{"id": 7, "file_name": "7.jpg", "width": 4, "height": 4}]
+    f.write_text(json.dumps({"images": images, "annotations": [
         {"id": 1, "image_id": 7, "caption": "a red circle"}, {"id": 2, "image_id": 7, "caption": " "},
-        {"id": 3, "caption": "no image"}, {"id": 4, "image_id": 7, "caption": "a  blue square"}]}))
-    recs, skips = load_coco_captions(f)
+        {"id": 4, "image_id": 7, "caption": "a  blue square"}]}))
+    counts = Counter()
+    recs = caption_records(coco.read(f, tmp_path, counts=counts))
     assert [(r["image_id"], r["caption_index"], r["caption"]) for r in recs] == \
         [("7", 0, "a red circle"), ("7", 1, "a blue square")]
-    assert skips == {"empty_caption": 1, "no_image_id": 1}
+    assert counts == {"empty_captions_skipped": 1}
+    f.write_text(json.dumps({"images": images, "annotations": [{"id": 3, "caption": "no image"}]}))
+    with pytest.raises(InputError, match=r"captions_train\.json.*3.*image_id"):
+        coco.read(f, tmp_path)
     with pytest.raises(InputError, match="missing.json"):
-        load_coco_captions(tmp_path / "missing.json")
+        coco.read(tmp_path / "missing.json", tmp_path)

@@ -8,14 +8,18 @@ import time
 import types
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from clipfinetune.data.llm_negatives import EndpointError, OfflineBackend
-from clipfinetune.data.negative_rules_degla import RulesBackend
-from clipfinetune.data.negative_validators import RULES
-from stages._common import StageParams
+from clipfinetune.data.negatives.degla.llm import EndpointError, OfflineBackend
+from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
+from clipfinetune.data.negatives.degla.validators import RULES
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "stages"))        # as `python stages/negatives.py` has it
+from _common import StageParams, setup_logging
 
 GOOD = ["a large red circle to the left of a small blue square", "a small green star above a big purple hexagon",
         "two green triangles"]
@@ -105,16 +109,18 @@ def server():
 
 
 def stage_params(base_url, captions_file, cache_dir, backend="server", max_retries=3):
-    return StageParams("negatives", {"negatives": {
-        "captions": str(captions_file), "backend": backend, "per_caption": 4, "cache_dir": str(cache_dir),
+    source = {"reader": "coco", "captions": str(captions_file), "images": str(Path(captions_file).parent)}
+    return StageParams("negatives", {"sources": {"coco": source}, "negatives": {
+        "source": "coco", "backend": backend, "per_caption": 4, "cache_dir": str(cache_dir),
         "base_url": base_url, "model": "test-model", "api_key_env": "CFT_TEST_KEY", "concurrency": 4,
         "timeout": TIMEOUT, "max_retries": max_retries, "backoff": 0.02, "max_tokens": 64,
         "temperature": 0.7, "seed": 0}})
 
 
 def write_captions(path, captions):
-    path.write_text(json.dumps({"annotations": [{"id": i, "image_id": i, "caption": c}
-                                                for i, c in enumerate(captions)]}))
+    path.write_text(json.dumps({
+        "images": [{"id": i, "file_name": f"{i}.jpg", "width": 8, "height": 8} for i in range(len(captions))],
+        "annotations": [{"id": i, "image_id": i, "caption": c} for i, c in enumerate(captions)]}))
 
 
 def test_server_backend_retries_rejects_caches_and_resumes(server, tmp_path, monkeypatch):
@@ -124,7 +130,7 @@ def test_server_backend_retries_rejects_caches_and_resumes(server, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CFT_TEST_KEY", "secret")
     write_captions(tmp_path / "caps.json", GOOD + list(BEHAVIOUR))
-    log = stage.setup_logging("negatives")
+    log = setup_logging("negatives")
 
     stats = stage.run(stage_params(base_url, tmp_path / "caps.json", tmp_path / "cache"), log)
     rej = stats["rejects"]
@@ -156,7 +162,7 @@ def test_unreachable_server_names_the_url_and_keeps_finished_work(server, tmp_pa
     base_url, _, _, httpd = server
     monkeypatch.chdir(tmp_path)
     write_captions(tmp_path / "a.json", GOOD[:1])
-    log = stage.setup_logging("negatives")
+    log = setup_logging("negatives")
     stage.run(stage_params(base_url, tmp_path / "a.json", tmp_path / "cache", max_retries=1), log)
     cache_file = next((tmp_path / "cache").glob("*.jsonl"))
     cached = len(cache_file.read_text().splitlines())
@@ -209,7 +215,7 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch, platform):
     else:
         monkeypatch.setitem(sys.modules, "vllm.platforms", None)     # import fails
 
-    from clipfinetune.data.llm_negatives import Request
+    from clipfinetune.data.negatives.degla.llm import Request
 
     backend = OfflineBackend("some/model", max_tokens=50, temperature=0.5, seed=3, chunk=2)
     got = []

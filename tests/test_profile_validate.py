@@ -108,13 +108,13 @@ def test_a_missing_path_weight_or_endpoint_is_named(real_project, capsys):
     params = yaml.safe_load((real_project / "params.yaml").read_text())
     produced = validate.produced_paths(real_project)
     assert "data/prepared/sentences.parquet" in produced and "models/base" in produced
-    params["sentences"]["docci"] = "datasets/docci/nope.jsonlines"
+    params["sources"]["docci"]["descriptions"] = "datasets/docci/nope.jsonlines"
     params["eval"]["benchmarks"]["aro"]["real"]["images"] = "datasets/aro/imgs"
     params["model"]["pretrained"] = f"local-dir:{real_project / 'weights' / 'gone'}"
     params["negatives"]["model"] = "other/model"
     params["segments"]["sam_checkpoint"] = "datasets/weights/sam_vit_h_4b8939.pth"
     found = {f.key: f.message for f in validate.check(params, real_project, timeout=2, produced=produced) if f.missing}
-    assert "nope.jsonlines" in found["sentences.docci"]
+    assert "nope.jsonlines" in found["sources.docci.descriptions"]
     assert "datasets/aro/imgs" in found["eval.benchmarks.aro.real.images"]
     assert "gone" in found["model.pretrained"]
     assert "other/model" in found["negatives.model"]
@@ -125,7 +125,7 @@ def test_a_missing_path_weight_or_endpoint_is_named(real_project, capsys):
 
     (real_project / "bad.yaml").write_text(yaml.safe_dump(params))
     assert validate.main(["--params", str(real_project / "bad.yaml"), "--timeout", "1"]) == 1
-    assert "MISSING  sentences.docci" in capsys.readouterr().out
+    assert "MISSING  sources.docci.descriptions" in capsys.readouterr().out
 
 
 def test_an_open_clip_name_as_lism_model_or_a_pipeline_output_as_pretrained_is_named(real_project):

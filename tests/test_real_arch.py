@@ -21,7 +21,7 @@ from fixtures.real_arch import shallow_config, shallow_model
 from PIL import Image
 from torch.utils.data import default_collate
 
-from clipfinetune.data.lism import match_image
+from clipfinetune.data.prepare.lism import match_image
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.methods import get_method
 from clipfinetune.models import export_model

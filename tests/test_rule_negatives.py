@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from clipfinetune.data.rule_negatives import NEGATIVE_TYPES, online_negatives
+from clipfinetune.data.negatives.rules import NEGATIVE_TYPES, online_negatives
 from clipfinetune.resources import wordnet
 
 RICH = [

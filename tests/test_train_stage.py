@@ -83,7 +83,9 @@ def _tiny_coco(tmp_path, n_images=6, captions_per_image=5):
         annotations += [{"id": 100 * i + c, "image_id": i, "caption": f"image {i} caption {c}"}
                         for c in range(captions_per_image)]
     (tmp_path / "captions.json").write_text(json.dumps({"images": images, "annotations": annotations}))
-    return tmp_path / "captions.json", tmp_path / "images"
+    from clipfinetune.data.readers import coco
+
+    return coco.read(tmp_path / "captions.json", tmp_path / "images")
 
 
 def _transform(pil):
@@ -97,8 +99,8 @@ def _tokenize(texts):          # "image I caption C" -> [I, C]
 def test_caption_source_shows_each_image_once_per_epoch_with_a_caption_redrawn_each_epoch(tmp_path):
     from clipfinetune.train.sources import CaptionPairSource
 
-    captions, images = _tiny_coco(tmp_path)
-    source = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=3)
+    records = _tiny_coco(tmp_path)
+    source = CaptionPairSource(records, _transform, _tokenize, batch_size=2, seed=3)
     assert len(source) == 3
     epochs = [[b["text"] for b in source.batches(e)] for e in range(4)]
     for batches in epochs:
@@ -113,10 +115,10 @@ def test_caption_source_shows_each_image_once_per_epoch_with_a_caption_redrawn_e
 def test_caption_source_splits_each_global_batch_between_ranks(tmp_path):
     from clipfinetune.train.sources import CaptionPairSource
 
-    captions, images = _tiny_coco(tmp_path)
-    ranks = [CaptionPairSource(captions, images, _transform, _tokenize, batch_size=1, seed=3, rank=r, world_size=2)
+    records = _tiny_coco(tmp_path)
+    ranks = [CaptionPairSource(records, _transform, _tokenize, batch_size=1, seed=3, rank=r, world_size=2)
              for r in range(2)]
-    single = CaptionPairSource(captions, images, _transform, _tokenize, batch_size=2, seed=3)
+    single = CaptionPairSource(records, _transform, _tokenize, batch_size=2, seed=3)
     for a, b, whole in zip(ranks[0].batches(0), ranks[1].batches(0), single.batches(0)):
         assert torch.equal(torch.cat([a["text"], b["text"]]), whole["text"])
 
@@ -138,10 +140,11 @@ def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_
     stale.parent.mkdir(parents=True)
     stale.write_text("step\tloss\n0\t4.2\n")
     params = StageParams("pretrain", {
+        "sources": {"coco": {"reader": "coco", "captions": "absent.json", "images": "absent"}},
         "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "precision": "bf16"},
         "pretrain": {"epochs": 1, "batch_size": 2, "lr": 1e-3, "warmup": 1, "wd": 0.1, "grad_clip": 1.0,
-                     "checkpoint_every": 0, "seed": 0}})
-    monkeypatch.setattr(pretrain, "stage_params", lambda name=None: params)
+                     "checkpoint_every": 0, "seed": 0, "sources": ["coco"]}})
+    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/pretrain.py", "--stage", "pretrain"])
     pretrain.main()
     given = load_file(tmp_path / "weights" / "open_clip_model.safetensors")

@@ -88,7 +88,7 @@ class ExampleContext:
 
     def online_negatives(self, caption: str, rng: random.Random) -> dict:
         """FSC-CLIP's rule negatives, one per type (negclip/replace/shuffle) or None."""
-        from clipfinetune.data.rule_negatives import online_negatives
+        from clipfinetune.data.negatives.rules import online_negatives
 
         return online_negatives(caption, rng)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from clipfinetune.data.readers import dci, docci, urban1k
 from clipfinetune.eval.encode import Encoder, ImageResolver, resolve_image
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.retrieval import RetrievalSet, caption_ids, recall_from_ranks, retrieval_ranks
@@ -17,65 +18,37 @@ from clipfinetune.io import InputError
 LONG_KS = (1, 5, 25, 50)
 
 
-def read_docci(path, images_root, split: str = "test", splits=None) -> RetrievalSet:
-    """DOCCI `descriptions.jsonlines`: records with split in `splits` (default: just `split`) and example_id
-    starting with that split (the HF loader's filter, so qual_test is not in test unless asked for: GOAL's
-    DOCCI numbers use test + qual_test, 5,100 images, `splits: [test, qual_test]`); image = images_root/image_file.
-    Images keep the file's order."""
-    wanted = [split] if splits is None else [splits] if isinstance(splits, str) else list(splits)
+def records_set(records, check_empty: bool = True) -> RetrievalSet:
+    """Reader `Record`s (one long caption each) -> a RetrievalSet in the records' order; images resolved under
+    each record's images root (`resolve_image`); an empty caption is an error naming the file and the record."""
     out = RetrievalSet([])
-    for n, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if rec.get("split") in wanted and str(rec.get("example_id", "")).startswith(rec.get("split")):
-            if not str(rec.get("description", "")).strip():
-                raise InputError(path, rec.get("example_id", n), "empty description")
-            out.add(resolve_image(rec["image_file"], images_root, rec["example_id"]), [rec["description"]])
-    if not out.images:
-        raise InputError(path, None, f"no records of split(s) {wanted}")
+    for r in records:
+        if check_empty and not str(r.long_caption).strip():
+            raise InputError(r.origin, r.image_id, "empty caption")
+        root = r.images_root
+        out.add(resolve_image(r.image, str(root) if root is not None else None, r.image_id), [r.long_caption])
     return out
 
 
-def dci_complete_description(rec: dict) -> str:
-    """DCI `get_formatted_complete_description`: short + "\\n" + extra (+ mask captions; quality 2 skipped)."""
-    text = rec["short_caption"] + "\n" + rec["extra_caption"]
-    masks = []
-    for key in rec.get("mask_keys", []):
-        m = rec["mask_data"][key]
-        if m.get("mask_quality") == 0:
-            masks.append(f"{m['label']}: {m['caption']}")
-        elif m.get("mask_quality") == 1:
-            masks.append(m["label"])
-    if masks:
-        text += "\nThe following can also be seen in the image:\n" + "\n".join(masks)
-    return text
+def read_docci(path, images_root, split: str = "test", splits=None) -> RetrievalSet:
+    """DOCCI (`readers.docci`): the records of `splits` (default: just `split`), in file order (GOAL's DOCCI
+    numbers use test + qual_test, 5,100 images: `splits: [test, qual_test]`)."""
+    wanted = [split] if splits is None else [splits] if isinstance(splits, str) else list(splits)
+    records = docci.read(path, images_root, splits=wanted)
+    if not records:
+        raise InputError(path, None, f"no records of split(s) {wanted}")
+    return records_set(records)
 
 
 def read_dci(root, split: str = "test", field: str = "extra_caption") -> RetrievalSet:
-    """DCI layout `root/{splits.json, complete/<key>, photos/<image>}`; caption = `extra_caption` (what
-    GOAL's DCI test file holds) or field == "complete" for DCI's full formatted description."""
-    root = Path(root)
-    keys = json.loads((root / "splits.json").read_text())[split]
-    out = RetrievalSet([])
-    for key in keys:
-        rec = json.loads((root / "complete" / key).read_text())
-        text = dci_complete_description(rec) if field == "complete" else rec[field]
-        out.add(resolve_image(rec["image"], root / "photos", key), [text])
-    return out
+    """DCI (`readers.dci`): caption = `extra_caption` (what GOAL's DCI test file holds) or field == "complete"
+    for DCI's full formatted description."""
+    return records_set(dci.read(root, splits=[split], field=field))
 
 
 def read_urban1k(root) -> RetrievalSet:
-    """Urban1k `root/image/<n>.jpg` + `root/caption/<n>.txt` (caption = first line), ordered by n."""
-    root = Path(root)
-    files = sorted((root / "caption").glob("*.txt"), key=lambda p: (not p.stem.isdigit(), int(p.stem) if p.stem.isdigit() else 0, p.stem))
-    out = RetrievalSet([])
-    for f in files:
-        lines = f.read_text().splitlines()
-        if not lines or not lines[0].strip():
-            raise InputError(f, f.stem, "empty caption file")
-        out.add(resolve_image(f.stem + ".jpg", root / "image", f.stem), [lines[0]])
-    return out
+    """Urban1k (`readers.urban1k`): caption = the first line of caption/<n>.txt, ordered by n."""
+    return records_set(urban1k.read(root))
 
 
 def read_goal_list(path, images_root) -> RetrievalSet:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from clipfinetune.data.readers import karpathy
 from clipfinetune.eval.encode import Encoder, resolve_image
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import negatives_ahead
@@ -34,17 +35,11 @@ class RetrievalSet:
 
 
 def read_karpathy(path, images_root, split: str = "test") -> RetrievalSet:
-    """Karpathy `dataset_coco.json` / `dataset_flickr30k.json`: images of `split`, sentences[].raw.
-    Image path = images_root/filepath/filename (filepath absent for Flickr30k)."""
-    data = json.loads(Path(path).read_text())
+    """Karpathy (`readers.karpathy`): the images of `split` with their raw sentences; image path =
+    images_root/filepath/filename (filepath absent for Flickr30k)."""
     out = RetrievalSet([])
-    for rec in data["images"]:
-        if rec.get("split") != split:
-            continue
-        name = str(Path(rec.get("filepath", "")) / rec["filename"])
-        out.add(resolve_image(name, images_root, rec.get("imgid")), [s["raw"] for s in rec["sentences"]])
-    if not out.images:
-        raise InputError(path, None, f"no images with split == {split!r}")
+    for r in karpathy.read(path, images_root, splits=[split]):
+        out.add(resolve_image(r.image, images_root, r.image_id), list(r.captions))
     return out
 
 

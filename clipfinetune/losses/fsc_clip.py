@@ -10,11 +10,12 @@ bi-gram shuffle, in that order), D = joint dim, P = patches, L = text context le
     neg_text    [B, K, D]       global negative-caption embeddings, L2-normalised (any value where invalid)
     neg_valid   [B, K] bool     True where the generator produced negative k of sample i
     patches     [B, P, D]       projected patch tokens after ln_post, NOT normalised (``image_features()["patches"]``)
-    tokens      [B, 1+K, L, D]  projected text token states, NOT normalised; [:, 0] = positive, [:, 1+k] = negative k
-    token_mask  [B, 1+K, L] bool  keeps EOT (and the final period), drops SOT and padding (``text_features()["mask"]``)
+    text_tokens [B, 1+K, L, D]  projected text token states, NOT normalised; [:, 0] = positive, [:, 1+k] = negative k
+    text_mask   [B, 1+K, L] bool  keeps EOT (and the final period), drops SOT and padding (``text_features()["mask"]``)
     logit_scale scalar          exp(learnable log-temperature) = 1/tau
 
-``patches``/``tokens``/``token_mask`` are read only when ``lambda_l != 0``; ``neg_text`` only when ``lambda_g != 0``.
+``patches``/``text_tokens``/``text_mask`` are read only when ``lambda_l != 0``; ``neg_text`` only when
+``lambda_g != 0``.
 Returned terms (already weighted): ``contrastive`` (L_clip), ``global_hn`` (lambda_g L^g_neg), ``local_hn``
 (lambda_l L^l_neg).
 
@@ -159,6 +160,6 @@ class FscClipLoss(nn.Module):
             f["image"], f["text"], f["neg_text"], f["neg_valid"].bool(), scale,
             self.focal_gamma, self.label_smoothing))
         terms["local_hn"] = weighted_term(self.lambda_l, zero, lambda: local_hn_loss(           # eq. (11)
-            f["patches"], f["tokens"], f["token_mask"], f["neg_valid"], scale,
+            f["patches"], f["text_tokens"], f["text_mask"], f["neg_valid"], scale,
             self.focal_gamma, self.label_smoothing, self.lhn_weighting))
         return terms

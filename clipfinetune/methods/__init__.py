@@ -8,9 +8,12 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from clipfinetune.registry import METHODS as _PAPER_METHODS
+from clipfinetune.registry import MIX
+
 from .base import Method
 
-METHODS = ("clip", "harmoclip", "fsc_clip", "goal", "degla", "mulclip", "custom")
+METHODS = (*_PAPER_METHODS, MIX)      # the registry's methods (clipfinetune/registry.py) and the custom mix
 
 
 class MethodNotImplemented(NotImplementedError):

@@ -14,13 +14,16 @@ features along dim 0 (open_clip's feature cache) before calling the loss.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
 
 class Method:
     name: str = ""
+    # the loss's term names -> the constructor weight that switches the term on (None: always computed); `custom`
+    # mixes terms by these names ("<method>.<term>")
+    terms: ClassVar[dict[str, str | None]] = {}
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     find_unused_parameters: bool = False        # DDP: True if some trainable params may skip a forward
     uses_logit_scale: bool = True               # the model's own logit_scale enters this method's loss

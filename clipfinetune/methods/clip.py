@@ -7,6 +7,7 @@ skipped. Loss: the symmetric in-batch InfoNCE (`losses.clip.ClipLoss`), gathered
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 from torch import nn
 
@@ -28,6 +29,7 @@ class ClipFeatures(nn.Module):
 
 class ClipMethod(Method):
     name = "clip"
+    terms: ClassVar[dict[str, str | None]] = {"contrastive": None}
 
     def __init__(self):
         super().__init__()

@@ -50,30 +50,29 @@ import random
 import torch
 from torch import nn
 
-from . import build_method
+from . import build_method, get_method
 from .base import Method
 
-# method -> {term: the constructor lambda that switches the term on, None = always computed by its loss}
-TERMS: dict[str, dict[str, str | None]] = {
-    "clip": {"contrastive": None},
-    "harmoclip": {"contrastive": None, "lexeme_region": "lambda_lrc", "global_region": "lambda_gr"},
-    "fsc_clip": {"contrastive": None, "global_hn": "lambda_g", "local_hn": "lambda_l"},
-    "goal": {"contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
-             "tsl_text": "lambda_tsl"},
-    "degla": {"contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"},
-    "mulclip": {"contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
-                "subcaption_patch": "lambda_sub"},
-}
+
+def terms_of_methods() -> dict[str, dict[str, str | None]]:
+    """method -> {term: the constructor lambda that switches the term on, None = always computed by its loss}, from
+    each registered method's own `terms` (the registry's order)."""
+    from clipfinetune.registry import METHODS
+
+    return {m: get_method(m).terms for m in METHODS}
+
+
 SHARED_FIELDS = ("image",)
 
 
 def parse_terms(terms: dict) -> dict[str, dict[str, float]]:
     """{"<method>.<term>": weight} -> {method: {term: weight}} (clip first, then in order); 0 weights dropped."""
+    known_terms = terms_of_methods()
     weights: dict[str, dict[str, float]] = {"clip": {"contrastive": 1.0}}
     for key, weight in (terms or {}).items():
         method, _, term = str(key).partition(".")
-        if method not in TERMS or term not in TERMS[method]:
-            known = ", ".join(f"{m}.{t}" for m, ts in TERMS.items() for t in ts)
+        if method not in known_terms or term not in known_terms[method]:
+            known = ", ".join(f"{m}.{t}" for m, ts in known_terms.items() for t in ts)
             raise ValueError(f"custom.terms: unknown term {key!r}; known: {known}")
         weight = float(weight)
         if not math.isfinite(weight):
@@ -88,8 +87,9 @@ def parse_terms(terms: dict) -> dict[str, dict[str, float]]:
 
 def method_config(method: str, terms: dict[str, float]) -> dict[str, float]:
     """The method's lambdas: 1 for the requested terms, 0 for the others."""
-    config = {lam: 0.0 for lam in TERMS[method].values() if lam}
-    config.update({TERMS[method][t]: 1.0 for t in terms if TERMS[method][t]})
+    lambdas = get_method(method).terms
+    config = {lam: 0.0 for lam in lambdas.values() if lam}
+    config.update({lambdas[t]: 1.0 for t in terms if lambdas[t]})
     return config
 
 

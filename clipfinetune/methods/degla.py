@@ -1,6 +1,6 @@
 """DeGLA (ACM MM 2025): the data, forward and EMA glue around `losses.degla.DeglaLoss`.
 
-Data: a COCO-source shard record whose `negatives` (from the `negatives` stage: entries {caption_index, type,
+Data: a shard record with short captions whose `negatives` (from the `negatives` stage: entries {caption_index, type,
 texts}) cover at least one caption. Each step draws, with the loader's `rng`, one caption that has negatives, and
 takes its K = 4 negatives (DeGLA's `enhanced[0..3]`). Example:
 
@@ -27,6 +27,7 @@ Decisions the paper leaves open:
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -91,6 +92,8 @@ class DeglaFeatures(nn.Module):
 
 class DeglaMethod(Method):
     name = "degla"
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"}
 
     def __init__(self, lambda_igc: float = 0.1, lambda_tgc: float = 0.1, lambda_distill: float = 0.005,
                  ema_alpha: float = 0.9996, tgc_logit_scale: float = 10.0):
@@ -103,7 +106,7 @@ class DeglaMethod(Method):
             raise ValueError(f"ema_alpha must be in [0, 1], got {ema_alpha}")
 
     def wants(self, record: dict) -> bool:
-        return record.get("source", "coco") != "docci" and bool(caption_negatives(record))
+        return bool(caption_negatives(record))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         negatives = caption_negatives(record)

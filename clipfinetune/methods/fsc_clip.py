@@ -1,8 +1,9 @@
 """FSC-CLIP (Oh et al., EMNLP 2024): the data and forward glue around `losses.fsc_clip.FscClipLoss`.
 
-Data: a COCO-source shard record with short captions (DOCCI records are skipped). Each step draws one caption with
-the loader's `rng` and FRESH rule negatives for it (`ctx.online_negatives(caption, rng)`: negclip swap, WordNet
-replace, bi-gram shuffle, METHODS §2.2), so every epoch sees new negatives, as the authors' loader does. Example:
+Data: a shard record with short captions (any source: COCO, image-text pairs; long-caption-only records are skipped).
+Each step draws one caption with the loader's `rng` and FRESH rule negatives for it (`ctx.online_negatives(caption,
+rng)`: negclip swap, WordNet replace, bi-gram shuffle, METHODS §2.2), so every epoch sees new negatives, as the
+authors' loader does. Example:
 
     image      [3, S, S]
     text       [1+K, C]  row 0 the positive, row 1+k the negative of type NEGATIVE_TYPES[k]
@@ -27,6 +28,7 @@ into the base weights, so the exported model is a plain CLIP.
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,7 @@ class FscClipFeatures(nn.Module):
             tokens = F.pad(tf["tokens"], (0, 0, 0, pad)).view(b, c, text.shape[2], -1)
             token_mask = F.pad(tf["mask"], (0, pad), value=False).view(b, c, text.shape[2])
             embeddings = tf["global_"].view(b, c, -1)
-            features.update(tokens=tokens, token_mask=token_mask)
+            features.update(text_tokens=tokens, text_mask=token_mask)
         else:
             features["image"] = model.encode_image(batch["image"], normalize=True)
             texts = text.flatten(0, 1) if self.negatives else text[:, 0]
@@ -71,6 +73,8 @@ class FscClipFeatures(nn.Module):
 
 class FscClipMethod(Method):
     name = "fsc_clip"
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "global_hn": "lambda_g", "local_hn": "lambda_l"}
     train_keys = frozenset({"lora_rank", "lora_lr"})
 
     def __init__(self, lambda_g: float = 0.5, lambda_l: float = 0.5, focal_gamma: float = 2.0,
@@ -90,7 +94,7 @@ class FscClipMethod(Method):
             raise ValueError("lora_lr is set but lora_rank is 0 (LoRA off)")
 
     def wants(self, record: dict) -> bool:
-        return record.get("source", "coco") != "docci" and bool(record.get("captions"))
+        return bool(record.get("captions"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         caption = rng.choice(record["captions"])

@@ -1,6 +1,6 @@
 """GOAL (Choi et al., CVPR 2025): the data and forward glue around `losses.goal.GoalLoss`.
 
-Data: a DOCCI-source shard record with a long caption (COCO records are skipped). Example:
+Data: a shard record with a long caption (DOCCI; records with short captions only are skipped). Example:
 
     image        [3, S, S]   ctx.transform(image) (squash resize; GOAL's processor centre-crops, METHODS §3.4 bug 2)
     text         [L]         the long caption, ctx.tokenize_long (L = 248, Long-CLIP context)
@@ -36,6 +36,7 @@ Decisions the paper leaves open / where we differ from the authors' code (METHOD
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -108,6 +109,9 @@ class GoalFeatures(nn.Module):
 
 class GoalMethod(Method):
     name = "goal"
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
+        "tsl_text": "lambda_tsl"}
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):
@@ -120,7 +124,7 @@ class GoalMethod(Method):
         self.local = self.lambda_local != 0 or self.lambda_tsl != 0
 
     def wants(self, record: dict) -> bool:
-        return record.get("source") == "docci" and bool(record.get("long_caption"))
+        return bool(record.get("long_caption"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         caption = record["long_caption"]

@@ -1,6 +1,6 @@
 """HarmoCLIP (Zeng et al., arXiv 2511.22594): the data and forward glue around `losses.harmoclip.HarmoClipLoss`.
 
-Data: a COCO-source shard record with `word_regions` (DOCCI records have none and are skipped). Each step draws ONE
+Data: a shard record with short captions and `word_regions` (records without them are skipped). Each step draws ONE
 row (caption, word, box) with the loader's `rng`; that caption is also the sample's L_GC caption (supplementary §7:
 "each caption contains only a single word aligned with one region"). The example holds
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,8 @@ class HarmoClipFeatures(nn.Module):
 
 class HarmoClipMethod(Method):
     name = "harmoclip"
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "lexeme_region": "lambda_lrc", "global_region": "lambda_gr"}
 
     def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, unlocked_vision_layers: int = -1,
                  mask_same_category: bool = False, lexeme_projection_grad: bool = False):
@@ -122,8 +125,7 @@ class HarmoClipMethod(Method):
         self.lexeme_projection_grad = bool(lexeme_projection_grad)
 
     def wants(self, record: dict) -> bool:
-        return record.get("source", "coco") != "docci" and bool(record.get("word_regions")) \
-            and bool(record.get("captions"))
+        return bool(record.get("word_regions")) and bool(record.get("captions"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         row = rng.choice(record["word_regions"])

@@ -1,6 +1,6 @@
 """MulCLIP: the data and forward glue around `losses.mulclip.MulClipLoss` (no public code; METHODS.md §5).
 
-Data: a DOCCI-source shard record with a long caption and its sentences (sentence 0 = the summary). Example:
+Data: a shard record with a long caption and its sentences (sentence 0 = the summary). Example:
 
     image      [3, S, S]  ctx.transform(image)
     text       [L]        the long caption, ctx.tokenize_long (L = 248)
@@ -40,6 +40,7 @@ Decisions the paper leaves open (besides those of the loss module):
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,9 @@ class MulClipModule(nn.Module):
 
 class MulClipMethod(Method):
     name = "mulclip"
+    terms: ClassVar[dict[str, str | None]] = {
+        "contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
+        "subcaption_patch": "lambda_sub"}
     train_keys = frozenset({"new_module_lr"})
     uses_logit_scale = False                                      # each objective has its own ContrastHead
     GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})
@@ -99,7 +103,7 @@ class MulClipMethod(Method):
         self._mix_terms = frozenset(terms)
 
     def wants(self, record: dict) -> bool:
-        return record.get("source") == "docci" and bool(record.get("long_caption")) and bool(record.get("sentences"))
+        return bool(record.get("long_caption")) and bool(record.get("sentences"))
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         sentences = [s["text"] for s in record["sentences"][:self.max_sentences]]

@@ -1,6 +1,7 @@
 """Batch sources for the loop (`loop.BatchSource`): the `pretrain` caption pairs.
 
-`CaptionPairSource` serves a COCO captions file (the sample world's short captions) for training from scratch:
+`CaptionPairSource` serves reader records with short captions (`clipfinetune.data.readers`; the sample world's COCO
+source) for training from scratch:
 every epoch each image appears once, with one of its captions drawn at random, in a random order; both draws are
 a function of (seed, epoch) only, so an interrupted epoch resumes exactly. Images are decoded and transformed once
 and kept in memory (2,000 images of 64 px = 100 MB as fp32): the sample world is small and the pretrain budget is
@@ -9,34 +10,24 @@ minutes, so re-decoding JPEGs every epoch would only burn the CPU the model need
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
-from clipfinetune.data.coco import captions_by_image, images_by_id, load_json
-from clipfinetune.io import InputError, read_image
+from clipfinetune.io import InputError
 
 
 class CaptionPairSource:
-    def __init__(self, captions_json: str | os.PathLike, images_dir: str | os.PathLike,
-                 transform: Callable, tokenize: Callable, batch_size: int, seed: int = 0,
+    def __init__(self, records: list, transform: Callable, tokenize: Callable, batch_size: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1):
-        coco = load_json(captions_json)
-        images = images_by_id(coco, captions_json)
-        captions = captions_by_image(coco, captions_json)
-        missing = [i for i in captions if i not in images]
-        if missing:
-            raise InputError(captions_json, missing[0], "caption refers to an image absent from images[]")
-        self.image_ids = list(captions)
-        if not self.image_ids:
-            raise InputError(captions_json, None, "no captions")
+        records = [r for r in records if r.captions]
+        if not records:
+            raise InputError("pretrain sources", None, "no records with captions")
+        self.image_ids = [r.image_id for r in records]
         pixels, token_sets = [], []
-        for image_id in self.image_ids:
-            path = Path(images_dir) / images[image_id]["file_name"]
-            pixels.append(transform(read_image(path, record=image_id)))
-            token_sets.append(tokenize([text for _, text in captions[image_id]]))
+        for r in records:
+            pixels.append(transform(r.read_image()))
+            token_sets.append(tokenize(list(r.captions)))
         self.images = torch.stack(pixels)
         self.counts = torch.tensor([len(t) for t in token_sets])
         width = int(self.counts.max())

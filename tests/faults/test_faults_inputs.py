@@ -96,7 +96,7 @@ def test_empty_and_punctuation_only_captions_are_counted(tiny_project, tmp_path,
 
     inprocess(proj, "negatives")
     neg = proj.meta("data/prepared/negatives.meta.json")
-    assert neg["skipped"] == {"empty_caption": 1}
+    assert neg["skipped"] == {"empty_captions_skipped": 1}   # the COCO reader's one rule (as word_regions)
     assert neg["captions"] == ref_neg["captions"] - 1
     rows = pd.read_parquet(proj / "data/prepared/negatives.parquet")
     assert not (rows.caption == "?! ... !!").any()      # no negative of a caption without words

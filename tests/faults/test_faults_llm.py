@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from clipfinetune.data.llm_negatives import EndpointError
+from clipfinetune.data.negatives.degla.llm import EndpointError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_negatives_llm import BEHAVIOUR, GOOD, server  # noqa: F401  (the fake server fixture)

@@ -63,7 +63,7 @@ def sam_project(tmp_path_factory):
 def test_product_loads_the_vit_b_checkpoint_weights_only(sam_project):
     from segment_anything.modeling import Sam
 
-    from clipfinetune.data.segments import build_sam
+    from clipfinetune.data.prepare.segments import build_sam
 
     _, sam, checkpoint = sam_project
     loaded = build_sam("vit_b", str(checkpoint))

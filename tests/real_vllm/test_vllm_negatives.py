@@ -29,7 +29,7 @@ import pandas as pd
 import pytest
 from fixtures.project import copy_project, env, run, write_params
 
-from clipfinetune.data.llm_negatives import build_prompt
+from clipfinetune.data.negatives.degla.llm import build_prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -1,10 +1,11 @@
-"""COCO readers: instances and captions JSON (2017 format), and a caption Dataset for `pretrain`.
+"""COCO reader: instances and captions JSON (2017 format).
 
 Decisions the formats leave open, fixed here for every consumer:
 - `caption_index` is the position of a caption among its image's captions **in file order** (pycocotools'
-  `imgToAnns` order), empty captions skipped; caption text is whitespace-normalised (`" ".join(c.split())`).
-  word_regions and shards use `captions_by_image()`; the negatives stage follows the same rule, so the
-  indices agree (the shards stage re-checks the caption text of every row it attaches).
+  `imgToAnns` order), empty captions skipped and counted; caption text is whitespace-normalised
+  (`" ".join(c.split())`). `caption_rows()` is that rule; word_regions, negatives, shards and pretrain all read
+  captions through it, so their indices agree (the shards stage re-checks the caption text of every row it attaches).
+- An annotation without `id`, `image_id` or `caption` is an error naming the file and the annotation.
 - An image's pixel size comes from the `images[]` entry (width, height); the shards and boxes trust it.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from clipfinetune.io import InputError, decode_utf8, read_image
+from clipfinetune.io import InputError, decode_utf8
 
 
 @contextlib.contextmanager
@@ -79,19 +80,27 @@ def normalize_caption(text) -> str:
     return " ".join(str(text).split())
 
 
-def captions_by_image(coco_captions: dict, path="<captions>", counts=None) -> dict[int, list[tuple[int, str]]]:
-    """image id -> [(caption_id, caption), ...] in file order (this order defines caption_index).
-
-    Images are sorted by id; empty captions are left out (they have no caption_index) and counted in
-    `counts["empty_captions_skipped"]` when a Counter is given."""
-    out: dict[int, list[tuple[int, str]]] = defaultdict(list)
+def caption_rows(coco_captions: dict, path="<captions>", counts=None):
+    """(image_id, caption_index, caption_id, caption) in file order; empty captions are left out (they have no
+    caption_index) and counted in `counts["empty_captions_skipped"]` when a Counter is given."""
+    per_image: dict = defaultdict(int)
     for ann in coco_captions.get("annotations", []):
         _require(path, ann, ("id", "image_id", "caption"), "caption annotation")
-        text = normalize_caption(ann["caption"])
-        if text:
-            out[ann["image_id"]].append((ann["id"], text))
-        elif counts is not None:
-            counts["empty_captions_skipped"] += 1
+        text = normalize_caption(ann["caption"]) if isinstance(ann["caption"], str) else ""
+        if not text:
+            if counts is not None:
+                counts["empty_captions_skipped"] += 1
+            continue
+        image_id = ann["image_id"]
+        yield image_id, per_image[image_id], ann["id"], text
+        per_image[image_id] += 1
+
+
+def captions_by_image(coco_captions: dict, path="<captions>", counts=None) -> dict[int, list[tuple[int, str]]]:
+    """image id -> [(caption_id, caption), ...] in caption_index order (`caption_rows`), images sorted by id."""
+    out: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for image_id, _, caption_id, text in caption_rows(coco_captions, path, counts):
+        out[image_id].append((caption_id, text))
     return dict(sorted(out.items()))
 
 
@@ -114,39 +123,23 @@ def categories(coco_instances: dict, path="<instances>") -> dict[int, str]:
     return cats
 
 
-def caption_pairs(captions_json: str | os.PathLike, images_dir: str | os.PathLike) -> list[tuple[Path, str]]:
-    """(image path, caption) pairs of a COCO captions (or instances+captions) file, in a stable order."""
-    coco = load_json(captions_json)
-    imgs = images_by_id(coco, captions_json)
-    pairs = []
-    for image_id, caps in captions_by_image(coco, captions_json).items():
+KEYS = ("captions", "images", "instances", "splits")
+PATHS = ("captions", "images", "instances")
+
+
+def read(captions, images, instances=None, splits=None, source: str = "coco", counts=None):
+    """A COCO captions file -> one `Record` per image with captions (images sorted by id). `instances` is the
+    source's instances file (read by `word_regions`, not here); COCO files carry no split (`splits` is ignored)."""
+    from clipfinetune.data.readers import Record
+
+    coco = load_json(captions)
+    imgs = images_by_id(coco, captions)
+    out = []
+    for image_id, caps in captions_by_image(coco, captions, counts).items():
         if image_id not in imgs:
-            raise InputError(captions_json, image_id, "caption refers to an image absent from images[]")
-        for _, cap in caps:
-            pairs.append((Path(images_dir) / imgs[image_id]["file_name"], cap))
-    return pairs
-
-
-class CocoCaptionDataset:
-    """torch-style map Dataset of (image tensor, token tensor), one item per caption.
-
-    `transform(PIL RGB) -> Tensor`, `tokenize([str]) -> LongTensor[1, L]`. An unreadable image raises
-    `InputError` naming the file (the pretrain stage reads the sample world, which must be intact).
-    """
-
-    def __init__(self, captions_json, images_dir, transform, tokenize):
-        self.pairs = caption_pairs(captions_json, images_dir)
-        self.transform, self.tokenize = transform, tokenize
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, i: int):
-        path, caption = self.pairs[i]
-        image = read_image(path, record=i)
-        return self.transform(image), self.tokenize([caption])[0]
-
-
-def coco_caption_dataset(captions_json, images_dir, transform, tokenize) -> CocoCaptionDataset:
-    """The `pretrain` stage's reader: every (image, caption) pair of a COCO captions file."""
-    return CocoCaptionDataset(captions_json, images_dir, transform, tokenize)
+            raise InputError(captions, image_id, "captions of an image absent from images[]")
+        img = imgs[image_id]
+        out.append(Record(source=source, image_id=str(image_id), image=img["file_name"], images_root=Path(images),
+                          captions=tuple(c for _, c in caps), size=(int(img["width"]), int(img["height"])),
+                          origin=str(captions)))
+    return out

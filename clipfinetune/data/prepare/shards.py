@@ -4,11 +4,14 @@ A sample (DEVELOPERS.md "A shard sample"): `__key__` = `<source>_<image_id>` (do
 WebDataset splits keys at the first dot), `jpg` = the original file bytes (never re-encoded), `json` =
 all annotations (sorted keys, compact, UTF-8), `txt` = one caption so `open_clip_train` reads the shards
 as they are. Decisions:
-- `txt`: COCO -> the first caption (caption_index 0); DOCCI -> the summary sentence (sentence 0; the
-  whole long caption when it has no sentences row). DOCCI records have `captions: []` (DOCCI has no
-  short captions; the summary is `sentences[0]`).
-- Sample order: by SHA-1 of the key, so every shard mixes COCO and DOCCI samples (a method that wants
-  one source still finds samples in every shard / loader worker). Split: a sample is `val` iff the first
+- Records come from the sources the stage lists (`clipfinetune.data.readers`, any format); `source` = the
+  source's name. Each prepared table is attached only to records of the source it was prepared from.
+- `txt`: a record with short captions -> its first caption (caption_index 0); a long-caption record (DOCCI)
+  -> the summary sentence (sentence 0; the whole long caption when it has no sentences row). Long-caption
+  records have `captions: []` (DOCCI has no short captions; the summary is `sentences[0]`). A record with
+  neither is skipped and counted (`<source>_empty_long_caption_skipped`).
+- Sample order: by SHA-1 of the key, so every shard mixes the sources (a method that wants some fields
+  still finds samples in every shard / loader worker). Split: a sample is `val` iff the first
   8 hex digits of SHA-1(key) / 2^32 < `val_fraction` (fixed per image, independent of the rest).
 - Every annotation row is checked against the sample before it is attached: a word region or negative
   whose caption text differs from `captions[caption_index]`, or a local pair whose sentence index is out
@@ -26,10 +29,10 @@ import json
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import ClassVar
 
 import pandas as pd
 
-from clipfinetune.data import coco as cocoio
 from clipfinetune.io import ImageTooLarge, InputError, checked_image_size
 
 SPLITS = ("train", "val")
@@ -77,35 +80,19 @@ def _group(frame: pd.DataFrame, key=lambda v: str(v)) -> dict:
     return out
 
 
-def coco_records(captions_json, images_dir, word_regions: pd.DataFrame, negatives: pd.DataFrame,
-                 counts: Counter) -> list[dict]:
-    coco = cocoio.load_json(captions_json)
-    imgs = cocoio.images_by_id(coco, captions_json)
-    wr, neg = _group(word_regions), _group(negatives)
-    out = []
-    for image_id, caps in cocoio.captions_by_image(coco, captions_json, counts).items():
-        if image_id not in imgs:
-            raise InputError(captions_json, image_id, "captions of an image absent from images[]")
-        img, captions = imgs[image_id], [c for _, c in caps]
-        regions = []
-        for r in sorted(wr.get(str(image_id), []), key=lambda r: (r.caption_index, r.char_start)):
-            k = int(r.caption_index)
-            if not (0 <= k < len(captions)) or captions[k] != r.caption or captions[k][r.char_start:r.char_end] != r.word:
-                counts["word_regions_stale_dropped"] += 1
-                continue
-            regions.append({"caption_index": k, "word": r.word, "char_span": [int(r.char_start), int(r.char_end)],
-                            "box": _box(r), "category": r.category})
-        out.append({"key": sample_key("coco", image_id), "path": Path(images_dir) / img["file_name"],
-                    "size": (int(img["width"]), int(img["height"])),
-                    "json": {"image_id": str(image_id), "source": "coco", "captions": captions, "long_caption": "",
-                             "word_regions": regions, "sentences": [], "local_pair": [],
-                             "negatives": _negatives(neg.pop(str(image_id), []), captions, counts)},
-                    "txt": captions[0]})
-    counts["negatives_unmatched_image_dropped"] += sum(len(v) for v in neg.values())
-    return out
+def _word_regions(rows, captions: tuple[str, ...], counts: Counter) -> list[dict]:
+    regions = []
+    for r in sorted(rows, key=lambda r: (r.caption_index, r.char_start)):
+        k = int(r.caption_index)
+        if not (0 <= k < len(captions)) or captions[k] != r.caption or captions[k][r.char_start:r.char_end] != r.word:
+            counts["word_regions_stale_dropped"] += 1
+            continue
+        regions.append({"caption_index": k, "word": r.word, "char_span": [int(r.char_start), int(r.char_end)],
+                        "box": _box(r), "category": r.category})
+    return regions
 
 
-def _negatives(rows, captions: list[str], counts: Counter) -> list[dict]:
+def _negatives(rows, captions: tuple[str, ...], counts: Counter) -> list[dict]:
     groups: dict[tuple[int, str], list[str]] = {}
     for r in rows:   # row order within (caption_index, type) is the producer's order
         k = int(r.caption_index)
@@ -116,37 +103,74 @@ def _negatives(rows, captions: list[str], counts: Counter) -> list[dict]:
     return [{"caption_index": k, "type": t, "texts": texts} for (k, t), texts in sorted(groups.items())]
 
 
-def docci_records(docci: list[dict], images_dir, sentences: pd.DataFrame, local_pairs: pd.DataFrame,
-                  counts: Counter) -> list[dict]:
-    sents = _group(sentences[sentences["source"] == "docci"])
-    pairs = _group(local_pairs)
-    out = []
-    for ex in docci:
-        image_id = ex["image_id"]
-        rows = sorted(sents.get(image_id, []), key=lambda r: r.sentence_index)
-        long_caption = rows[0].long_caption if rows else (ex["long_caption"] or "").strip()
-        if not long_caption:
-            counts["docci_empty_long_caption_skipped"] += 1
-            continue
-        if not rows:
-            counts["docci_without_sentences"] += 1
-        sentences_ = [{"text": r.text, "char_span": [int(r.char_start), int(r.char_end)]} for r in rows]
-        chosen = [r for r in pairs.get(image_id, []) if bool(r.chosen)]
-        if len(chosen) > 1:
-            raise InputError("local_pairs.parquet", image_id, f"{len(chosen)} chosen local pairs (at most 1)")
-        local = []
-        for r in chosen:
-            if r.kind != "region":
-                counts["local_pair_global_wins"] += 1
-            elif not (0 <= int(r.sentence_index) < len(sentences_)):
-                counts["local_pair_stale_dropped"] += 1
-            else:
-                local.append({"sentence_index": int(r.sentence_index), "box": _box(r)})
-        out.append({"key": sample_key("docci", image_id), "path": Path(images_dir) / ex["image"], "size": None,
-                    "json": {"image_id": image_id, "source": "docci", "captions": [], "long_caption": long_caption,
-                             "word_regions": [], "sentences": sentences_, "local_pair": local, "negatives": []},
-                    "txt": sentences_[0]["text"] if sentences_ else long_caption})
-    return out
+def _local_pair(rows, n_sentences: int, image_id: str, counts: Counter) -> list[dict]:
+    chosen = [r for r in rows if bool(r.chosen)]
+    if len(chosen) > 1:
+        raise InputError("local_pairs.parquet", image_id, f"{len(chosen)} chosen local pairs (at most 1)")
+    local = []
+    for r in chosen:
+        if r.kind != "region":
+            counts["local_pair_global_wins"] += 1
+        elif not (0 <= int(r.sentence_index) < n_sentences):
+            counts["local_pair_stale_dropped"] += 1
+        else:
+            local.append({"sentence_index": int(r.sentence_index), "box": _box(r)})
+    return local
+
+
+class Annotations:
+    """The prepared tables, each attached only to the records of the source it was prepared from:
+    `prepared_from` = {"word_regions": source, "negatives": source, "local_pairs": source, "sentences": [sources]}
+    (sentences also name their source in a column). A table whose sources are not among `sources` (the stage's)
+    is not read, so a stage over, say, image-text pairs alone needs no LISM or word-region outputs."""
+
+    PRODUCERS: ClassVar[dict[str, str]] = {
+        "word_regions": "word_regions", "negatives": "negatives", "local_pairs": "lism", "sentences": "sentences"}
+
+    def __init__(self, prepared_dir, prepared_from: dict, sources):
+        prepared, sources = Path(prepared_dir), set(sources)
+        self.sources = {k: v for k, v in prepared_from.items() if k != "sentences"}
+        self.negatives_matched = 0
+
+        def table(kind: str, used: bool) -> dict:
+            if not used:
+                return {}
+            frame = read_prepared(prepared / f"{kind}.parquet", kind, self.PRODUCERS[kind])
+            if kind == "sentences":
+                return {source: _group(rows) for source, rows in frame.groupby("source")}
+            return _group(frame)
+
+        for kind in ("word_regions", "negatives", "local_pairs"):
+            setattr(self, kind, table(kind, self.sources.get(kind) in sources))
+        self.sentences = table("sentences", bool(set(prepared_from.get("sentences", ())) & sources))
+
+    def rows(self, table: str, record) -> list:
+        if self.sources.get(table) != record.source:
+            return []
+        return getattr(self, table).get(str(record.image_id), [])
+
+
+def shard_record(record, notes: Annotations, counts: Counter) -> dict | None:
+    """A reader's `Record` with its prepared annotations -> what `write_shards` writes; None = skipped (counted)."""
+    image_id, captions = str(record.image_id), tuple(record.captions)
+    rows = sorted(notes.sentences.get(record.source, {}).get(image_id, []), key=lambda r: r.sentence_index)
+    long_caption = rows[0].long_caption if rows else (record.long_caption or "").strip()
+    if not captions and not long_caption:
+        counts[f"{record.source}_empty_long_caption_skipped"] += 1
+        return None
+    if long_caption and not rows:
+        counts[f"{record.source}_without_sentences"] += 1
+    sentences = [{"text": r.text, "char_span": [int(r.char_start), int(r.char_end)]} for r in rows]
+    negatives = notes.rows("negatives", record)
+    notes.negatives_matched += len(negatives)
+    meta = {"image_id": image_id, "source": record.source, "captions": list(captions), "long_caption": long_caption,
+            "word_regions": _word_regions(notes.rows("word_regions", record), captions, counts),
+            "sentences": sentences,
+            "local_pair": _local_pair(notes.rows("local_pairs", record), len(sentences), image_id, counts),
+            "negatives": _negatives(negatives, captions, counts)}
+    txt = captions[0] if captions else sentences[0]["text"] if sentences else long_caption
+    return {"key": sample_key(record.source, image_id), "record": record, "size": record.size, "json": meta,
+            "txt": txt}
 
 
 def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: int, val_fraction: float,
@@ -166,12 +190,12 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
     try:
         for r in records:
             try:
-                data = Path(r["path"]).read_bytes()
+                data = r["record"].image_bytes()
             except OSError:
                 counts["images_skipped_missing"] += 1
                 continue
             try:     # what the loader will decode (clipfinetune.io.read_image), checked once here
-                size = checked_image_size(data, r["path"], r["key"])
+                size = checked_image_size(data, r["record"].path, r["key"])
             except ImageTooLarge:
                 counts["images_skipped_too_large"] += 1
                 continue
@@ -203,20 +227,27 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
     return sizes
 
 
-def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike, coco_captions, coco_images,
-                 docci, docci_images, maxcount: int, val_fraction: float) -> dict:
-    """The `shards` stage: the whole `out_dir` (tars, sizes.json, meta.json) replaced atomically; returns meta."""
-    from clipfinetune.data.sentences import read_docci
+def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike, sources: dict[str, dict],
+                 prepared_from: dict, splits, maxcount: int, val_fraction: float) -> dict:
+    """The `shards` stage: every record of `sources` ({name: params `sources.<name>`}) whose split is in `splits`
+    (records without a split always), with the prepared annotations of its source; the whole `out_dir` (tars,
+    sizes.json, meta.json) replaced atomically; returns meta."""
+    from clipfinetune.data.readers import in_splits, read_sources
     from clipfinetune.io import atomic_path, write_json
 
-    prepared = Path(prepared_dir)
-    word_regions = read_prepared(prepared / "word_regions.parquet", "word_regions", "word_regions")
-    sentences = read_prepared(prepared / "sentences.parquet", "sentences", "sentences")
-    local_pairs = read_prepared(prepared / "local_pairs.parquet", "local_pairs", "lism")
-    negatives = read_prepared(prepared / "negatives.parquet", "negatives", "negatives")
+    notes = Annotations(prepared_dir, prepared_from, sources)
     counts: Counter = Counter()
-    records = coco_records(coco_captions, coco_images, word_regions, negatives, counts)
-    records += docci_records(read_docci(docci, splits=("train",)), docci_images, sentences, local_pairs, counts)
+    records, long_sources = [], set()
+    for name, source_records in read_sources(list(sources), sources, counts).items():
+        for record in source_records:
+            if not record.captions:
+                long_sources.add(name)
+            if in_splits(record, splits):
+                shard = shard_record(record, notes, counts)
+                if shard is not None:
+                    records.append(shard)
+    counts["negatives_unmatched_image_dropped"] += \
+        sum(len(v) for v in notes.negatives.values()) - notes.negatives_matched
     with atomic_path(out_dir, is_dir=True) as tmp:
         os.chmod(tmp, 0o755)        # mkdtemp's 0700 would make the shards private to this user
         sizes = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
@@ -224,7 +255,9 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
                     "images_skipped_size_mismatch",
                     "samples_train", "samples_val", "word_regions_stale_dropped", "negatives_stale_dropped",
                     "negatives_unmatched_image_dropped", "local_pair_global_wins", "local_pair_stale_dropped",
-                    "docci_without_sentences", "docci_empty_long_caption_skipped", "empty_captions_skipped"):
+                    *(f"{name}_{what}" for name in sorted(long_sources)
+                      for what in ("without_sentences", "empty_long_caption_skipped")),
+                    "empty_captions_skipped"):
             counts.setdefault(key, 0)
         meta = {"maxcount": maxcount, "val_fraction": val_fraction,
                 "split_rule": "val iff int(sha1(key)[:8], 16) / 2**32 < val_fraction; key = <source>_<image_id>",

@@ -30,8 +30,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pandas as pd
 
-from clipfinetune.data import coco as cocoio
-from clipfinetune.data.instance_boxes import boxes_np, boxes_scalar, instances_checked
+from clipfinetune.data.prepare.instance_boxes import boxes_np, boxes_scalar, instances_checked
+from clipfinetune.data.readers import coco as cocoio
 
 COLUMNS = ["image_id", "caption_id", "caption_index", "caption", "word", "char_start", "char_end",
            "category", "category_id", "x0", "y0", "x1", "y1"]

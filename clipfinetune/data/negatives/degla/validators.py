@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 
-from clipfinetune.data.rule_negatives import is_synonym, nlp, parse, synset_names
+from clipfinetune.data.negatives.rules import is_synonym, nlp, parse, synset_names
 
 TYPES = ("reshuffle", "swap_nouns", "swap_adjectives", "replace_adjectives", "replace_nouns")
 RULES = {  # DeGLA Table 1, verbatim

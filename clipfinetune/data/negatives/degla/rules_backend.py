@@ -20,8 +20,8 @@ import hashlib
 import random
 from collections import Counter
 
-from clipfinetune.data.negative_validators import TYPES, is_adjective, is_noun
-from clipfinetune.data.rule_negatives import (
+from clipfinetune.data.negatives.degla.validators import TYPES, is_adjective, is_noun
+from clipfinetune.data.negatives.rules import (
     FAKE_NOUNS,
     antonym_names,
     inflect_like,

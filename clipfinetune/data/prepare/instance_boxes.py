@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from clipfinetune.boxes import clip_box, xywh_to_xyxy
-from clipfinetune.data import coco as cocoio
+from clipfinetune.data.readers import coco as cocoio
 from clipfinetune.io import InputError
 
 

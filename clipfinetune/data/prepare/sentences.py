@@ -1,5 +1,5 @@
-"""Long captions -> sentence subcaptions (MulCLIP §3.1 and appendix VI; GOAL's LISM), plus the readers of
-the long-caption corpora (DOCCI, DCI, Urban1k, ShareGPT4V training files; BENCHMARKS §3).
+"""Long captions -> sentence subcaptions (MulCLIP §3.1 and appendix VI; GOAL's LISM). The long-caption corpora
+(DOCCI, DCI, Urban1k, ShareGPT4V; BENCHMARKS §3) are read by `clipfinetune.data.readers`.
 
 Decisions:
 - Sentences come from spaCy's statistical sentence segmenter (`senter` of en_core_web_sm; the dependency
@@ -15,20 +15,17 @@ Decisions:
   is segmented on its own.
 - A long caption without a boundary is one sentence; an empty one is skipped and counted; a "sentence"
   without a letter or digit (stray punctuation) is skipped and counted.
-- All splits of a corpus are processed (LISM also builds GOAL's joint test list from the test split);
-  consumers select the split by the corpus's own ids (DOCCI: `example_id` starts with `train`/`test`).
+- Every record given is processed, whatever its split (LISM also builds GOAL's joint test list from the test
+  split); consumers select the split through the reader's `split` field.
 """
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 
 import pandas as pd
 
-from clipfinetune.io import InputError, read_jsonlines
+from clipfinetune.io import InputError
 
 COLUMNS = ["image_id", "source", "long_caption", "sentence_index", "text", "char_start", "char_end"]
 SEGMENTERS = ("senter", "parser")
@@ -81,22 +78,22 @@ def line_spans(text: str) -> list[tuple[int, int]]:
 
 def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segmenter: str = "senter",
                     batch_size: int = 64):
-    """records: dicts with image_id, source, long_caption -> (DataFrame with COLUMNS, meta counts)."""
+    """records: `readers.Record`s (image_id, source, long_caption) -> (DataFrame with COLUMNS, meta counts)."""
     if max_sentences < 1:
         raise ValueError("max_sentences must be >= 1")
     counts: Counter = Counter()
     kept = []
     seen = set()
     for r in records:
-        key = (r["source"], str(r["image_id"]))
+        key = (r.source, str(r.image_id))
         if key in seen:
-            raise InputError(r.get("path", r["source"]), r["image_id"], "duplicate image id")
+            raise InputError(r.origin or r.source, r.image_id, "duplicate image id")
         seen.add(key)
-        text = (r.get("long_caption") or "").strip()
+        text = (r.long_caption or "").strip()
         if not text:
             counts["empty_long_captions_skipped"] += 1
             continue
-        kept.append((key[1], r["source"], text))
+        kept.append((key[1], r.source, text))
     lines = [(n, s, e) for n, (_, _, text) in enumerate(kept) for s, e in line_spans(text)]
     per_caption: list[list[tuple[int, int]]] = [[] for _ in kept]
     for (n, s0, e0), doc in zip(lines, segment_docs((kept[n][2][s:e] for n, s, e in lines), segmenter, batch_size)):
@@ -130,74 +127,3 @@ def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segment
         meta[key] = counts.pop(key, 0)
     meta.update(sorted(counts.items()))
     return frame, meta
-
-
-# ---------------------------------------------------------------- readers (BENCHMARKS §3)
-def read_docci(path: str | os.PathLike, splits: tuple[str, ...] | None = None) -> list[dict]:
-    """DOCCI `docci_descriptions.jsonlines`: example_id, split, image_file, description."""
-    path, out = Path(path), []
-    for n, ex in read_jsonlines(path):
-        missing = [k for k in ("example_id", "split", "image_file", "description") if k not in ex]
-        if missing:
-            raise InputError(path, ex.get("example_id", f"line {n}"), f"missing keys {missing}")
-        if splits is None or ex["split"] in splits:
-            out.append({"image_id": str(ex["example_id"]), "source": "docci", "split": ex["split"],
-                        "image": ex["image_file"], "long_caption": ex["description"], "path": str(path)})
-    return out
-
-
-def read_dci(root: str | os.PathLike, split: str | None = None) -> list[dict]:
-    """DCI `densely_captioned_images/`: complete/<key>.json (`image`, `extra_caption`), splits.json.
-
-    GOAL's long text is DCI's `extra_caption` (BENCHMARKS §3.2); image_id = the entry key's stem."""
-    root = Path(root)
-    if split is not None:
-        splits = json.loads((root / "splits.json").read_text())
-        if split not in splits:
-            raise InputError(root / "splits.json", split, "no such split")
-        keys = list(splits[split])
-    else:
-        keys = sorted(p.name for p in (root / "complete").glob("*.json"))
-    out = []
-    for key in keys:
-        p = root / "complete" / key
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(p, key, f"unreadable DCI entry: {e}") from e
-        if "image" not in data or "extra_caption" not in data:
-            raise InputError(p, key, "DCI entry lacks `image` or `extra_caption`")
-        out.append({"image_id": Path(key).stem, "source": "dci", "split": split or "",
-                    "image": str(Path("photos") / data["image"]), "long_caption": data["extra_caption"],
-                    "path": str(p)})
-    return out
-
-
-def read_urban1k(root: str | os.PathLike) -> list[dict]:
-    """Urban1k: caption/<n>.txt (first line = caption) and image/<n>.jpg, ordered by n."""
-    root = Path(root)
-    files = sorted((root / "caption").glob("*.txt"), key=lambda p: (len(p.stem), p.stem))
-    if not files:
-        raise InputError(root / "caption", None, "no caption files")
-    return [{"image_id": p.stem, "source": "urban1k", "split": "test", "image": f"image/{p.stem}.jpg",
-             "long_caption": (p.read_text(encoding="utf-8").splitlines() or [""])[0], "path": str(p)}
-            for p in files]
-
-
-def read_sharegpt4v(path: str | os.PathLike, skip_first: int = 0) -> list[dict]:
-    """ShareGPT4V json list: id, image, conversations[{"from": "gpt", "value": <long caption>}].
-
-    Long-CLIP holds out the first 1,000 records as its test set (`skip_first=1000` for training)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(path, None, f"unreadable ShareGPT4V file: {e}") from e
-    out = []
-    for n, rec in enumerate(data[skip_first:], skip_first):
-        gpt = [c.get("value", "") for c in rec.get("conversations", []) if c.get("from") == "gpt"]
-        if "image" not in rec or not gpt:
-            raise InputError(path, rec.get("id", n), "record lacks `image` or a gpt turn")
-        out.append({"image_id": str(rec.get("id", n)), "source": "sharegpt4v", "split": "train",
-                    "image": rec["image"], "long_caption": gpt[0], "path": str(path)})
-    return out

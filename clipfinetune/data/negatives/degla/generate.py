@@ -17,16 +17,13 @@ from the caption and valid for its own type.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import Counter
-from pathlib import Path
 
-from clipfinetune.data.llm_negatives import Request
-from clipfinetune.data.negative_validators import TYPES, check
-from clipfinetune.data.negatives_cache import answer_key
-from clipfinetune.data.rule_negatives import warm
-from clipfinetune.io import InputError, decode_utf8
+from clipfinetune.data.negatives.degla.cache import answer_key
+from clipfinetune.data.negatives.degla.llm import Request
+from clipfinetune.data.negatives.degla.validators import TYPES, check
+from clipfinetune.data.negatives.rules import warm
 
 log = logging.getLogger(__name__)
 SLOTS = (("reshuffle",), ("swap_nouns", "swap_adjectives"), ("replace_adjectives",), ("replace_nouns",))
@@ -34,36 +31,11 @@ FILL_TYPES = ("replace_nouns", "replace_adjectives")
 COLUMNS = ("image_id", "caption_index", "caption", "type", "negative")
 
 
-def load_coco_captions(path: str | Path) -> tuple[list[dict], Counter]:
-    """COCO captions JSON -> [{image_id (str), caption_index, caption}] in file order, and skip counts.
-
-    caption_index = position of the caption among its image's annotations in file order.
-    A missing/unreadable file or a file without an `annotations` list is an InputError; an annotation
-    without an image_id or with an empty/non-string caption is skipped and counted.
-    """
-    path = Path(path)
-    try:
-        data = json.loads(decode_utf8(path.read_bytes(), path))
-    except FileNotFoundError as e:
-        raise InputError(path, None, "captions file not found (run the `sample` stage or set negatives.captions)") from e
-    except ValueError as e:
-        raise InputError(path, None, f"not valid JSON: {e}") from e
-    anns = data.get("annotations") if isinstance(data, dict) else None
-    if not isinstance(anns, list):
-        raise InputError(path, "annotations", "expected a COCO captions file with an 'annotations' list")
-    records, skips, per_image = [], Counter(), Counter()
-    for i, ann in enumerate(anns):
-        if not isinstance(ann, dict) or ann.get("image_id") is None:
-            skips["no_image_id"] += 1
-            continue
-        cap = ann.get("caption")
-        if not isinstance(cap, str) or not cap.strip():
-            skips["empty_caption"] += 1
-            continue
-        img = str(ann["image_id"])
-        records.append({"image_id": img, "caption_index": per_image[img], "caption": " ".join(cap.split())})
-        per_image[img] += 1
-    return records, skips
+def caption_records(records) -> list[dict]:
+    """Reader `Record`s -> [{image_id, caption_index, caption}], one per short caption, caption_index = its position
+    in `record.captions` (the reader's rule, e.g. COCO's file order), records in the reader's order."""
+    return [{"image_id": str(r.image_id), "caption_index": k, "caption": caption}
+            for r in records for k, caption in enumerate(r.captions)]
 
 
 def _pick_swap_first(caption: str, seed: int) -> bool:

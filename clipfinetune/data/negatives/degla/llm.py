@@ -5,7 +5,7 @@ rewrite type: "Please rewrite the following input caption based on the rewrite r
 <rule>. Here are the examples: <ex1>,...,<ex5>. ensuring that the rewritten sentences have
 significantly different or opposite meanings from the original sentences. Input text: <caption>",
 followed by one line asking for the JSON answer the structured-output schema enforces. The five
-examples per type come from our own bank `clipfinetune/data/fewshot/degla.json` (DeGLA's 50 curated
+examples per type come from our own bank `clipfinetune/data/negatives/degla/fewshot/degla.json` (DeGLA's 50 curated
 ChatGPT examples are not released), chosen per caption by a hash so prompts vary but stay reproducible.
 `prompt_version` hashes the template and the bank: editing either re-asks everything.
 
@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from importlib import resources as ilr
 
-from clipfinetune.data.negative_validators import RULES, TYPES
+from clipfinetune.data.negatives.degla.validators import RULES, TYPES
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class EndpointError(RuntimeError):
 @functools.lru_cache(maxsize=1)
 def fewshot_bank() -> dict:
     """The few-shot bank shipped with the package: {type: {"rule": str, "examples": [{input, output}]}}."""
-    text = ilr.files("clipfinetune.data").joinpath("fewshot/degla.json").read_text()
+    text = ilr.files("clipfinetune.data.negatives.degla").joinpath("fewshot/degla.json").read_text()
     bank = json.loads(text)["types"]
     for t in TYPES:
         if t not in bank or len(bank[t]["examples"]) < N_EXAMPLES:

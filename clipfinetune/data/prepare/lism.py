@@ -121,3 +121,86 @@ def measure_against_ground_truth(rows, truth: dict, n_images: int, iou_threshold
     return {"accuracy": pct(chosen_ok), "coverage": round(100.0 * len(chosen) / max(n_images, 1), 2),
             "sentence_accuracy": pct(sentence_ok), "n_images": n_images, "n_chosen": len(chosen),
             "n_truth_sentences": len(sentence_ok)}
+
+
+# ------------------------------------------------------------------------------------------ the stage's loop
+TRAIN_SPLIT, TEST_SPLIT = "train", "test"   # DOCCI's qual_dev / qual_test: neither trained on nor listed (counted)
+
+
+def _split(record) -> str:
+    return record.split or TRAIN_SPLIT       # a format without splits is training data
+
+
+def run_lism(records, sentences, segments, model, batch_size: int, test_dir) -> tuple[list[dict], list, dict]:
+    """LISM over a long-caption source's `records` (`readers.Record`): every sentence of each train-split image
+    matched to a region (rows of local_pairs.parquet, `chosen` marking the image's training pair) and, for the
+    test split, GOAL's joint test-list items written under `test_dir` (`eval.global_local.test_items`).
+    Returns (train rows, test items, meta)."""
+    from clipfinetune.eval.global_local import test_items
+    from clipfinetune.io import InputError
+
+    by_image = {k: g.sort_values("sentence_index") for k, g in sentences.groupby("image_id")}
+    boxes_of = {k: [tuple(r) for r in g[["x0", "y0", "x1", "y1"]].itertuples(index=False)]
+                for k, g in segments.groupby("image_id")}
+    train_rows, tests, skipped, other_splits = [], [], [], {}
+    for record in sorted(records, key=lambda r: r.image_id):
+        image_id, split = record.image_id, _split(record)
+        if split not in (TRAIN_SPLIT, TEST_SPLIT):
+            other_splits[split] = other_splits.get(split, 0) + 1
+            continue
+        if image_id not in by_image:
+            skipped.append({"image_id": image_id, "reason": "no sentences"})
+            continue
+        try:
+            image = record.read_image()
+        except InputError as e:
+            skipped.append({"image_id": image_id, "file": str(record.path), "reason": str(e)})
+            continue
+        texts = by_image[image_id]["text"].tolist()
+        idx = by_image[image_id]["sentence_index"].tolist()
+        boxes = boxes_of.get(image_id, [])
+        matches = match_image(model, image, texts, boxes, batch_size)
+        if split == TEST_SPLIT:
+            best = choose_test_pair(matches)
+            crop = (best.candidate, boxes[best.candidate - 1]) if best.candidate else None
+            tests.append(test_items(image, image_id, record.image, record.long_caption, texts[best.sentence_index],
+                                    crop, best.score, test_dir))
+            continue
+        full = (0.0, 0.0, float(image.width), float(image.height))
+        chosen = choose_training_pair(matches)
+        for m in matches:
+            box = boxes[m.candidate - 1] if m.candidate else full
+            train_rows.append({"image_id": image_id, "sentence_index": idx[m.sentence_index],
+                               "sentence": texts[m.sentence_index].strip(), "x0": box[0], "y0": box[1],
+                               "x1": box[2], "y1": box[3], "score": m.score, "chosen": m is chosen,
+                               "kind": "region" if m.candidate else "global"})
+    n_train = sum(1 for r in records if _split(r) == TRAIN_SPLIT)
+    split_of = {r.image_id: _split(r) for r in records}
+    train_skipped = sum(1 for s in skipped if split_of[s["image_id"]] == TRAIN_SPLIT)
+    n_pairs = sum(1 for r in train_rows if r["chosen"])
+    meta = {"n_train_images": n_train, "n_test_images": len(tests), "n_pairs": n_pairs,
+            "global_wins": n_train - train_skipped - n_pairs, "skipped": skipped, "other_splits": other_splits}
+    return train_rows, tests, meta
+
+
+def read_ground_truth(path, sentences) -> dict:
+    """The sample world's LISM truth (jsonl: example_id, sentence or sentence_index, box) -> {(image_id, sentence
+    text): box}; sentences are matched by text, so the sentence splitter may differ."""
+    import json
+
+    by_image = {k: g for k, g in sentences.groupby("image_id")}
+    truth = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            image_id = str(rec["example_id"])
+            text = rec.get("sentence")
+            if text is None and image_id in by_image:
+                g = by_image[image_id]
+                hit = g[g["sentence_index"] == rec["sentence_index"]]
+                text = hit["text"].iloc[0] if len(hit) else None
+            if text is not None:
+                truth[(image_id, text.strip())] = tuple(rec["box"])
+    return truth

@@ -1,0 +1,71 @@
+"""Sources as configuration: every stage that reads a source declares it (params `sources.<name>`, or `sources` whole
+for `shards`) and depends on each of its paths in dvc.yaml, so an edited corpus file re-runs what it feeds."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clipfinetune.data.readers import READERS, reader, source_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+# stage -> the params key naming the source(s) it reads
+SOURCE_KEYS = {"pretrain": "pretrain.sources", "word_regions": "word_regions.source", "negatives": "negatives.source",
+               "sentences": "sentences.sources", "segments": "segments.source", "lism": "lism.source",
+               "shards": "shards.sources"}
+
+# source path keys a stage never opens: only word_regions reads COCO instances; the text-only stages no images
+UNREAD = {"word_regions": {"images"}, "negatives": {"images", "instances"}, "sentences": {"images"},
+          "*": {"instances"}}
+
+
+def _value(key: str):
+    node = PARAMS
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory) -> dict[str, dict]:
+    """stage -> {"params": declared keys, "deps": dependency paths}, as DVC expands dvc.yaml."""
+    from dvc.repo import Repo
+
+    tmp = tmp_path_factory.mktemp("sources")
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(ROOT / name, tmp / name)
+    Repo.init(str(tmp), no_scm=True)
+    with Repo(str(tmp)) as repo:
+        return {s.name: {"params": {k for dep in s.params for k in dep.params},
+                         "deps": {d.def_path for d in s.deps if d.def_path != "params.yaml"}}
+                for s in repo.index.stages}
+
+
+def test_every_source_names_a_known_reader_with_its_own_keys():
+    for name, spec in PARAMS["sources"].items():
+        assert spec["reader"] in READERS, name
+        assert set(spec) - {"reader"} <= set(reader(spec["reader"]).KEYS), name
+
+
+@pytest.mark.parametrize("stage", sorted(SOURCE_KEYS))
+def test_a_stage_declares_the_sources_it_reads_and_depends_on_their_paths(stages, stage):
+    names = _value(SOURCE_KEYS[stage])
+    names = [names] if isinstance(names, str) else names
+    declared, deps = stages[stage]["params"], stages[stage]["deps"]
+    assert SOURCE_KEYS[stage] in declared
+    for name in names:
+        assert "sources" in declared or f"sources.{name}" in declared, (stage, name)
+        spec = PARAMS["sources"][name]
+        paths = set(source_paths(spec)) - {spec.get(k) for k in UNREAD.get(stage, UNREAD["*"])}
+        assert paths <= deps, (stage, name, paths - deps)
+
+
+def test_a_stage_declares_no_source_it_does_not_read(stages):
+    for stage, keys in stages.items():
+        listed = _value(SOURCE_KEYS[stage]) if stage in SOURCE_KEYS else []
+        listed = {listed} if isinstance(listed, str) else set(listed)
+        named = {k.split(".", 1)[1] for k in keys["params"] if k.startswith("sources.")}
+        assert named <= listed, (stage, named - listed)
