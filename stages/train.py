@@ -85,7 +85,7 @@ def main() -> None:
         ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
                              tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT))
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
-                             seed=cfg.seed, num_workers=cfg.workers)
+                             seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), dist.world_size, ROOT)
@@ -96,6 +96,7 @@ def main() -> None:
         if dist.is_main:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
             write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
+                                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
                                                 "batches_per_epoch": len(loader), **dict(loader.stats)})
             log.info("exported models/%s", args.run)
         params.check_all_read()

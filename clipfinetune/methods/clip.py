@@ -10,7 +10,7 @@ import random
 
 from torch import nn
 
-from .base import Method
+from .base import CaptionUnits, Method
 
 
 class ClipFeatures(nn.Module):
@@ -26,7 +26,7 @@ class ClipFeatures(nn.Module):
                 "logit_scale": self.model.clip.logit_scale.exp()}
 
 
-class ClipMethod(Method):
+class ClipMethod(CaptionUnits, Method):
     name = "clip"
 
     def __init__(self):

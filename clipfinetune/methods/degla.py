@@ -91,6 +91,7 @@ class DeglaFeatures(nn.Module):
 
 class DeglaMethod(Method):
     name = "degla"
+    epoch_unit = "caption"          # the paper's epoch runs over the ~414K COCO train2014 captions
 
     def __init__(self, lambda_igc: float = 0.1, lambda_tgc: float = 0.1, lambda_distill: float = 0.005,
                  ema_alpha: float = 0.9996, tgc_logit_scale: float = 10.0):
@@ -104,6 +105,13 @@ class DeglaMethod(Method):
 
     def wants(self, record: dict) -> bool:
         return record.get("source", "coco") != "docci" and bool(caption_negatives(record))
+
+    def units(self, record: dict) -> int:
+        return len(caption_negatives(record))          # the captions that have negatives (the ones drawn)
+
+    def unit_record(self, record: dict, unit: int) -> dict:
+        index = sorted(caption_negatives(record))[unit]
+        return {**record, "negatives": [e for e in record["negatives"] if int(e["caption_index"]) == index]}
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         negatives = caption_negatives(record)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Method
+from .base import CaptionUnits, Method
 
 NEGATIVE_TYPES = ("negclip", "replace", "shuffle")      # FSC-CLIP's three generators, in the authors' order
 PLACEHOLDER = ""                                        # the text of a missing negative (masked by neg_valid)
@@ -69,7 +69,7 @@ class FscClipFeatures(nn.Module):
         return features
 
 
-class FscClipMethod(Method):
+class FscClipMethod(CaptionUnits, Method):
     name = "fsc_clip"
     train_keys = frozenset({"lora_rank", "lora_lr"})
 

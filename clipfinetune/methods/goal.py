@@ -108,6 +108,7 @@ class GoalFeatures(nn.Module):
 
 class GoalMethod(Method):
     name = "goal"
+    epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):

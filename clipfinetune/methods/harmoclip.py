@@ -111,6 +111,7 @@ class HarmoClipFeatures(nn.Module):
 
 class HarmoClipMethod(Method):
     name = "harmoclip"
+    epoch_unit = "word_region"      # the paper's epoch runs over its ~599K word-region pairs (one row each)
 
     def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, unlocked_vision_layers: int = -1,
                  mask_same_category: bool = False, lexeme_projection_grad: bool = False):
@@ -124,6 +125,12 @@ class HarmoClipMethod(Method):
     def wants(self, record: dict) -> bool:
         return record.get("source", "coco") != "docci" and bool(record.get("word_regions")) \
             and bool(record.get("captions"))
+
+    def units(self, record: dict) -> int:
+        return len(record["word_regions"])
+
+    def unit_record(self, record: dict, unit: int) -> dict:
+        return {**record, "word_regions": [record["word_regions"][unit]]}
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         row = rng.choice(record["word_regions"])

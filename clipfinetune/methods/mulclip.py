@@ -78,6 +78,7 @@ class MulClipModule(nn.Module):
 
 class MulClipMethod(Method):
     name = "mulclip"
+    epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
     train_keys = frozenset({"new_module_lr"})
     uses_logit_scale = False                                      # each objective has its own ContrastHead
     GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})
