@@ -73,7 +73,7 @@ class HarmoClipFeatures(nn.Module):
         self.need_lexeme, self.need_teacher = need_lexeme, need_teacher
         self.lexeme_projection_grad = lexeme_projection_grad
         self.teacher = frozen_teacher(model) if need_teacher else None
-        n_blocks = len(model.clip.visual.transformer.resblocks)
+        n_blocks = model.num_vision_blocks
         if unlocked_vision_layers != -1:
             if not 0 <= unlocked_vision_layers <= n_blocks:
                 raise ValueError(f"unlocked_vision_layers must be -1 (all) or 0..{n_blocks}, "
