@@ -1,7 +1,8 @@
 """DeGLA (ACM MM 2025): the data, forward and EMA glue around `losses.degla.DeglaLoss`.
 
 Data: a COCO-source shard record whose `negatives` (from the `negatives` stage: entries {caption_index, type,
-texts}) cover at least one caption. Each step draws, with the loader's `rng`, one caption that has negatives, and
+texts}) cover at least one caption. Each step draws, with the loader's `rng`, one caption that has negatives (with
+`train.epoch_unit: method` the loader hands over one such caption per example, each once an epoch), and
 takes its K = 4 negatives (DeGLA's `enhanced[0..3]`). Example:
 
     image      [3, S, S]

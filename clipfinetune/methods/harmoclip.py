@@ -1,7 +1,8 @@
 """HarmoCLIP (Zeng et al., arXiv 2511.22594): the data and forward glue around `losses.harmoclip.HarmoClipLoss`.
 
 Data: a COCO-source shard record with `word_regions` (DOCCI records have none and are skipped). Each step draws ONE
-row (caption, word, box) with the loader's `rng`; that caption is also the sample's L_GC caption (supplementary §7:
+row (caption, word, box) with the loader's `rng` (with `train.epoch_unit: method` the loader hands over one row per
+example, every row once an epoch: the paper's epoch over its word-region pairs); that caption is also the sample's L_GC caption (supplementary §7:
 "each caption contains only a single word aligned with one region"). The example holds
 
     image      [3, S, S]  ctx.transform(image) (squash resize, as FineCLIP)
