@@ -354,3 +354,24 @@ def test_harmoclip_unlocks_the_last_eva02_blocks(eva):
     assert {"cls_token", "pos_embed", "patch_embed.proj.weight"} <= frozen
     assert all(n in frozen for n, _ in trunk.blocks[0].named_parameters(prefix="blocks.0"))
     assert not any(n.startswith(("blocks.1.", "norm.", "head.")) for n in frozen)
+
+
+def test_an_eva02_checkpoint_at_224_px_loads_at_another_input_size(eva):
+    """The absolute position table of a 14 x 14 checkpoint is resampled to the model's 10 x 10 grid (bicubic, as
+    timm and open_clip resample), the class position kept; the rotary embedding follows the grid by itself."""
+    from clipfinetune.models import load_state_dict_into
+
+    small = copy.deepcopy(eva)
+    small.clip.visual.set_input_size(160)
+    assert small.grid == (10, 10) and small.image_size == 160
+    state = eva.clip.state_dict()
+    load_state_dict_into(small.clip, state)
+    table = state["visual.trunk.pos_embed"]
+    grid = table[:, 1:].reshape(1, 14, 14, -1).permute(0, 3, 1, 2)
+    expected = F.interpolate(grid, size=(10, 10), mode="bicubic", antialias=True, align_corners=False)
+    loaded = small.clip.visual.trunk.pos_embed
+    assert torch.equal(loaded[:, :1], table[:, :1])
+    assert torch.allclose(loaded[:, 1:], expected.permute(0, 2, 3, 1).reshape(1, 100, -1), atol=1e-6)
+    with torch.no_grad():
+        features = small.image_features(torch.randn(1, 3, 160, 160), dense=True)
+    assert features["patches"].shape == (1, 100, 512) and features["dense"].shape == (1, 512, 10, 10)
