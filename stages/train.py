@@ -8,7 +8,8 @@ method's group `train.<method>.*` (unknown keys are an error; a method may allow
 `new_module_lr`, which go to the method); `model.precision`; and the run's loss/method keys, flattened to their
 last key to construct the method: `loss.lambda_l` -> lambda_l, `ablations.<run>.lambda_l` -> lambda_l,
 `custom.terms` -> terms, `model.unlocked_vision_layers` -> unlocked_vision_layers, `sentences.max_sentences` ->
-max_sentences.
+max_sentences. `train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per
+image, or the method's own unit (captions, word-region pairs), as the papers count epochs.
 
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it) carries a fingerprint of
 the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
