@@ -9,7 +9,8 @@ open_clip tools); everything here runs over its own modules, without a fork.
 Decisions the papers leave open:
 - Image tokens come from open_clip's `forward_intermediates` (one forward gives the pooled embedding,
   the last block's pre-`ln_post` tokens, and, with `dense=True`, the input of the last block for
-  MaskCLIP's dense path). `patches` = ln_post(tokens) @ proj, not normalised, CLS excluded (FSC-CLIP).
+  MaskCLIP's dense path). `patches` = the tower's head of those tokens (ViT: ln_post then proj; EVA02: norm then
+  its projection head), not normalised, prefix (CLS) tokens excluded (FSC-CLIP).
 - Text is encoded only up to the batch's longest sequence (its EOT): with CLIP's causal mask no
   position up to EOT sees later padding, so the trimmed result is exact and costs L_max/77 of the work.
   `text_features` therefore returns `tokens`/`mask`/`hidden` of length L_max (<= context length); the
