@@ -8,7 +8,8 @@ method's group `train.<method>.*` (unknown keys are an error; a method may allow
 `new_module_lr`, which go to the method); `model.precision`; and the run's loss/method keys, flattened to their
 last key to construct the method: `loss.lambda_l` -> lambda_l, `ablations.<run>.lambda_l` -> lambda_l,
 `custom.terms` -> terms, `model.unlocked_vision_layers` -> unlocked_vision_layers, `sentences.max_sentences` ->
-max_sentences.
+max_sentences. `train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per
+image, or the method's own unit (captions, word-region pairs), as the papers count epochs.
 
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it) carries a fingerprint of
 the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
@@ -84,7 +85,7 @@ def main() -> None:
         ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
                              tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT))
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
-                             seed=cfg.seed, num_workers=cfg.workers)
+                             seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), dist.world_size, ROOT)
@@ -95,6 +96,7 @@ def main() -> None:
         if dist.is_main:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
             write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
+                                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
                                                 "batches_per_epoch": len(loader), **dict(loader.stats)})
             log.info("exported models/%s", args.run)
         params.check_all_read()

@@ -152,3 +152,61 @@ def test_context_delegates_token_span_and_online_negatives(monkeypatch):
     assert ctx.token_span("hello", 1, 3) == [1, 2]
     with pytest.raises(RuntimeError, match="tokenize_long"):
         ctx.tokenize_long(["x"])
+
+
+class CaptionUnitStub(StubMethod):
+    """A method whose epoch unit is the caption (as clip/FSC-CLIP/DeGLA): `unit` says which caption it drew."""
+    epoch_unit = "caption"
+
+    def __init__(self):
+        super().__init__("caption_stub", source="coco")
+
+    def units(self, record):
+        return len(record["captions"])
+
+    def unit_record(self, record, unit):
+        return {**record, "captions": [record["captions"][unit]], "unit": unit}
+
+    def make_example(self, record, image, rng, ctx):
+        return {**super().make_example(record, image, rng, ctx), "unit": torch.tensor(record.get("unit", -1))}
+
+
+def unit_pairs(batches):
+    return [(s, u) for b in batches for s, u in zip(b["sample"].tolist(), b["unit"].tolist())]
+
+
+def test_method_epoch_unit_visits_every_caption_once_in_a_seeded_order(shards):
+    coco = {k: r for k, r in records(shards, "train").items() if r["source"] == "coco"}
+    every = {(k, i) for k, r in coco.items() for i in range(len(r["captions"]))}
+    assert len(every) > len(coco)                               # the world has images with several captions
+    by_image = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3)
+    assert len(by_image) == -(-len(coco) // 4)                  # epoch_unit image: one draw per image, as before
+    loader = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3, epoch_unit="method")
+    assert loader.epoch_unit == "caption" and loader.num_units == len(every) and len(loader) == -(-len(every) // 4)
+    epoch0 = unit_pairs(loader.batches(0))
+    assert len(epoch0) == 4 * len(loader)
+    assert set(epoch0) == every                                 # each (image, caption) once ...
+    assert len(epoch0) - len(set(epoch0)) == 4 * len(loader) - len(every)     # ... plus the last batch's fill
+    epoch1 = unit_pairs(loader.batches(1))
+    assert set(epoch1) == every and epoch1 != epoch0            # a new seeded order every epoch
+    again = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3, epoch_unit="method")
+    assert unit_pairs(again.batches(0)) == epoch0
+
+
+def test_method_epoch_unit_resumes_exactly_with_workers(shards):
+    def make():
+        return ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=3, seed=0, num_workers=2,
+                           epoch_unit="method")
+
+    full = list(make().batches(1))
+    for k in (3, 4, len(full) - 1):
+        resumed = list(make().batches(1, start=k))
+        assert len(resumed) == len(full) - k
+        assert all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(resumed, full[k:]))
+
+
+def test_epoch_unit_is_checked(shards):
+    with pytest.raises(ValueError, match="epoch_unit"):
+        ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=2, epoch_unit="caption")
+    with pytest.raises(ValueError, match="training loaders"):
+        ShardLoader(shards, "val", CaptionUnitStub(), CTX, batch_size=2, train=False, epoch_unit="method")

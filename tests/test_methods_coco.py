@@ -284,3 +284,31 @@ def test_harmoclip_word_features_match_float64_eqs_3_4(tiny, lexeme_projection_g
     for i in range(len(batch["text"])):
         want = ref.lexeme_from_hidden(normed, model.clip.text_projection.detach(), batch["word_mask"], i)
         torch.testing.assert_close(got[i].double(), want / want.norm(), atol=1e-5, rtol=1e-5)
+
+
+def test_epoch_units_narrow_the_record_to_the_unit_the_example_draws(tiny):
+    """`train.epoch_unit: method`: HarmoCLIP's unit is a word-region row, DeGLA's a caption with negatives, FSC-CLIP's
+    and CLIP's a caption; the example made from `unit_record(record, i)` holds unit i whatever the rng draws."""
+    ctx = FixedNegativesContext(tiny, no_negatives)
+    record = coco_record(3)
+    record["word_regions"].append({"caption_index": 1, "word": "square", "char_span": [7, 13],
+                                   "box": [50, 0, 100, 25], "category": "square"})
+    record["negatives"].append({"caption_index": 0, "type": "swap_nouns", "texts": ["two circles beside a red hippo"]})
+    harmo, degla, fsc = (get_method(n)() for n in ("harmoclip", "degla", "fsc_clip"))
+    assert (harmo.epoch_unit, degla.epoch_unit, fsc.epoch_unit, get_method("goal").epoch_unit) == \
+        ("word_region", "caption", "caption", "image")
+    assert harmo.units(record) == degla.units(record) == fsc.units(record) == 2
+
+    def example(method, unit, seed):
+        return method.make_example(method.unit_record(record, unit), image(), random.Random(seed), ctx)
+
+    def caption(ids):                                   # between SOT and EOT (the largest id)
+        return decode(tiny, ids[1:int(ids.argmax())])
+
+    for seed in range(4):
+        words = [example(harmo, i, seed) for i in range(2)]
+        assert [decode(tiny, e["text"][e["word_mask"]]) for e in words] == ["hippopotamuses", "square"]
+        assert [e["box"].tolist() for e in words] == [ctx.resize_boxes([r["box"]], (W, H))[0].tolist()
+                                                      for r in record["word_regions"]]
+        assert [caption(example(degla, i, seed)["text"][0]) for i in range(2)] == record["captions"]
+        assert [caption(example(fsc, i, seed)["text"][0]) for i in range(2)] == record["captions"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from fixtures.methods import FixedNegativesContext, random_image, shard_record
 from fixtures.methods import coco_record as mixed_coco_record
-from fixtures.real_arch import shallow_config, shallow_model
+from fixtures.real_arch import shallow_config, shallow_model, shallow_timm_model
 from PIL import Image
 from torch.utils.data import default_collate
 
@@ -138,7 +138,7 @@ def test_every_method_trains_and_exports_at_vit_b16(b16, run, tmp_path):
     assert_export_matches_plain_open_clip(method.final_model(trainer.module, model), tmp_path / "export")
 
 
-@pytest.mark.parametrize("run", ["clip", "goal", "custom_coco"])
+@pytest.mark.parametrize("run", ["clip", "goal", "custom_coco", "degla"])
 def test_methods_train_at_vit_b32(b32, run):
     _, _, _, scalars, _, missing = train_one_step(b32, run)
     assert missing == [] and all(torch.isfinite(torch.tensor(v)) for k, v in scalars.items() if k.startswith("loss"))
@@ -283,3 +283,95 @@ def test_shallow_config_overrides_only_depth():
     cfg, real = shallow_config("ViT-L-14-336", vision_layers=2), open_clip.get_model_config("ViT-L-14-336")
     assert cfg["vision_cfg"] == dict(real["vision_cfg"], layers=2)
     assert cfg["text_cfg"] == dict(real["text_cfg"], layers=1) and cfg["embed_dim"] == real["embed_dim"]
+
+
+# ------------------------------------------------------------------------------------------------ EVA02-CLIP (timm)
+@pytest.fixture(scope="module")
+def eva(cfg_dir):
+    """open_clip's `EVA02-B-16` (timm `eva02_base_patch16_clip_224` image tower, `CustomTextCLIP`), random init,
+    2 vision and 1 text blocks; tests/real/ runs the full depth."""
+    return shallow_timm_model(cfg_dir, "EVA02-B-16")
+
+
+def eva_reference(clip, x, dense: bool):
+    """EVA's tokens through timm's own modules: blocks as timm runs them (rotary embedding included), the last one
+    with an attention mask that lets each token attend only to itself when `dense` (MaskCLIP: the value path);
+    then the trunk's norm and head (EVA-CLIP's projection). -> [B, 1 + P, D] projected, not normalised."""
+    trunk = clip.visual.trunk
+    tokens, rope = trunk._pos_embed(trunk.patch_embed(x))
+    tokens = trunk.norm_pre(tokens)
+    *blocks, last = trunk.blocks
+    for block in blocks:
+        tokens = block(tokens, rope=rope)
+    n = tokens.shape[1]
+    self_only = torch.full((n, n), float("-inf")).fill_diagonal_(0.0) if dense else None
+    tokens = last(tokens, rope=rope, attn_mask=self_only)
+    return trunk.head(trunk.fc_norm(trunk.norm(tokens)))
+
+
+def test_eva02_geometry_tokens_and_dense_features_match_timm(eva):
+    assert type(eva.clip).__name__ == "CustomTextCLIP" and type(eva.clip.visual.trunk).__name__ == "Eva"
+    assert (eva.image_size, eva.patch_size, eva.grid, eva.embed_dim, eva.context_length) == (224, 16, (14, 14), 512, 77)
+    assert eva.clip.visual.trunk.patch_embed.proj.out_channels == 768 and eva.text_tower.ln_final.normalized_shape == (512,)
+    x = torch.stack([eva.transform(random_image(i, W, H)) for i in range(2)])
+    text = eva.tokenize(["a red circle in the top right corner", CAPTION])
+    with torch.no_grad():
+        features = eva.image_features(x, dense=True)
+        assert features["patches"].shape == (2, 196, 512) and features["hidden"].shape == (2, 196, 768)
+        assert features["dense"].shape == (2, 512, 14, 14)
+        tokens = eva_reference(eva.clip, x, dense=False)
+        assert torch.allclose(features["global_"], F.normalize(tokens[:, 0], dim=-1), atol=1e-5)
+        assert torch.allclose(features["global_"], eva.clip.encode_image(x, normalize=True), atol=1e-5)
+        scale = tokens.abs().max()                                     # random init: small projected values
+        assert torch.allclose(features["patches"] / scale, tokens[:, 1:] / scale, atol=1e-5)
+        expected = F.normalize(eva_reference(eva.clip, x, dense=True)[:, 1:], dim=-1)
+        expected = expected.reshape(2, 14, 14, -1).permute(0, 3, 1, 2)
+        assert torch.allclose(features["dense"], expected, atol=1e-5)
+        assert torch.allclose(eva.dense_features(x), expected, atol=1e-5)
+        cells = [(0, 0), (0, 13), (13, 0), (7, 4)]                    # RoIAlign of a one-patch box reads its cell
+        boxes = torch.tensor([[c * 16, r * 16, (c + 1) * 16, (r + 1) * 16] for r, c in cells], dtype=torch.float32)
+        regions = eva.region_features(x, [boxes, boxes])
+        assert torch.allclose(regions, torch.stack([expected[i, :, r, c] for i in range(2) for r, c in cells]),
+                              atol=1e-5)
+        words = eva.text_features(text)
+        assert words["tokens"].shape == (2, int(text.argmax(-1).max()) + 1, 512)
+        assert torch.allclose(words["global_"], eva.clip.encode_text(text, normalize=True), atol=1e-5)
+
+
+@pytest.mark.parametrize("run", ["harmoclip", "fsc_clip_lora", "goal", "degla"])
+def test_methods_train_at_eva02_b16(eva, run):
+    _, trainer, _, scalars, before, missing = train_one_step(eva, run)
+    assert missing == [] and all(torch.isfinite(torch.tensor(v)) for k, v in scalars.items() if k.startswith("loss"))
+    moved = [not torch.equal(b, p) for b, p in zip(before, trainer.params)]
+    assert all(m or not p.grad.any() for m, p in zip(moved, trainer.params)) and sum(moved) > len(moved) / 2
+
+
+def test_harmoclip_unlocks_the_last_eva02_blocks(eva):
+    method = get_method("harmoclip")(unlocked_vision_layers=1)
+    module = method.build(copy.deepcopy(eva))
+    trunk = module.model.clip.visual.trunk
+    frozen = {n for n, p in trunk.named_parameters() if not p.requires_grad}
+    assert {"cls_token", "pos_embed", "patch_embed.proj.weight"} <= frozen
+    assert all(n in frozen for n, _ in trunk.blocks[0].named_parameters(prefix="blocks.0"))
+    assert not any(n.startswith(("blocks.1.", "norm.", "head.")) for n in frozen)
+
+
+def test_an_eva02_checkpoint_at_224_px_loads_at_another_input_size(eva):
+    """The absolute position table of a 14 x 14 checkpoint is resampled to the model's 10 x 10 grid (bicubic, as
+    timm and open_clip resample), the class position kept; the rotary embedding follows the grid by itself."""
+    from clipfinetune.models import load_state_dict_into
+
+    small = copy.deepcopy(eva)
+    small.clip.visual.set_input_size(160)
+    assert small.grid == (10, 10) and small.image_size == 160
+    state = eva.clip.state_dict()
+    load_state_dict_into(small.clip, state)
+    table = state["visual.trunk.pos_embed"]
+    grid = table[:, 1:].reshape(1, 14, 14, -1).permute(0, 3, 1, 2)
+    expected = F.interpolate(grid, size=(10, 10), mode="bicubic", antialias=True, align_corners=False)
+    loaded = small.clip.visual.trunk.pos_embed
+    assert torch.equal(loaded[:, :1], table[:, :1])
+    assert torch.allclose(loaded[:, 1:], expected.permute(0, 2, 3, 1).reshape(1, 100, -1), atol=1e-6)
+    with torch.no_grad():
+        features = small.image_features(torch.randn(1, 3, 160, 160), dense=True)
+    assert features["patches"].shape == (1, 100, 512) and features["dense"].shape == (1, 512, 10, 10)

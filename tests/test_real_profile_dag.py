@@ -161,3 +161,84 @@ def test_the_trained_model_is_an_open_clip_export_that_loads(real):
     assert img.shape == txt.shape and torch.isfinite(img).all() and torch.isfinite(txt).all()
     base = open_clip.create_model(f"local-dir:{real['repo'] / 'models' / 'base'}")
     assert any(not torch.equal(p, q) for p, q in zip(model.state_dict().values(), base.state_dict().values()))
+
+
+def _train_records(repo):
+    import tarfile
+
+    for path in sorted((repo / "data" / "shards").glob("train-*.tar")):
+        with tarfile.open(path) as tf:
+            for member in tf:
+                if member.name.endswith(".json"):
+                    yield json.loads(tf.extractfile(member).read())
+
+
+# the papers' epoch units counted from the shard records: DeGLA's captions (those the negatives stage rewrote),
+# HarmoCLIP's word-region rows
+UNITS = {"degla": lambda r: len({e["caption_index"] for e in r.get("negatives") or [] if e["texts"]}),
+         "harmoclip": lambda r: len(r.get("word_regions") or []) if r.get("captions") else 0}
+
+
+class _Interrupted:
+    """A batch source killed (KeyboardInterrupt) when it reaches micro-batch `at` of an epoch."""
+
+    def __init__(self, source, at):
+        self.source, self.at = source, at
+
+    def __len__(self):
+        return len(self.source)
+
+    def batches(self, epoch, start=0):
+        for i, batch in enumerate(self.source.batches(epoch, start), start):
+            if i == self.at:
+                raise KeyboardInterrupt
+            yield batch
+
+
+def test_the_profile_trains_clip_over_its_captions(real):
+    repo = real["repo"]
+    data = _json(repo / "dvclive" / "train" / "clip" / "data.json")
+    captions = sum(len(r["captions"]) for r in _train_records(repo) if r.get("captions"))
+    assert (data["epoch_unit"], data["units"]) == ("caption", captions)
+    assert data["batches_per_epoch"] == -(-captions // CPU["train"]["batch_size"]) > -(-data["wanted"] // 2)
+
+
+@pytest.mark.parametrize("name", ["degla", "harmoclip"])
+def test_method_epochs_take_their_units_steps_and_resume_mid_epoch(real, name, tmp_path):
+    import math
+
+    import torch
+    import yaml
+
+    from clipfinetune.data.loader import ExampleContext, ShardLoader
+    from clipfinetune.methods import get_method
+    from clipfinetune.models import load_model
+    from clipfinetune.train import TrainConfig, Trainer, load_checkpoint
+
+    repo = real["repo"]
+    epoch_unit = yaml.safe_load((repo / "params.yaml").read_text())["train"]["epoch_unit"]
+    assert epoch_unit == "method"                               # what the real profile trains with
+    units = sum(UNITS[name](r) for r in _train_records(repo) if r["source"] == "coco")
+    images = sum(1 for r in _train_records(repo) if UNITS[name](r))
+    assert units > images                                       # the unit, not the image, sets the epoch here
+    cfg = TrainConfig(epochs=1, batch_size=2, lr=1e-4, warmup=1, checkpoint_every=2, seed=0, epoch_unit=epoch_unit)
+
+    def train(run, interrupt_at=None):
+        model = load_model(f"local-dir:{repo / 'models' / 'base'}")
+        ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+        source = ShardLoader(repo / "data" / "shards", "train", get_method(name)(), ctx, batch_size=2, seed=0,
+                             epoch_unit=cfg.epoch_unit)
+        if interrupt_at is not None:
+            source = _Interrupted(source, interrupt_at)
+        trainer = Trainer(get_method(name)(), model, source, cfg, checkpoint_dir=tmp_path / run, fingerprint=name)
+        return trainer, trainer.fit()
+
+    trainer, straight = train("straight")
+    assert trainer.steps_per_epoch == trainer.step == math.ceil(units / 2)
+    with pytest.raises(KeyboardInterrupt):
+        train("resumed", interrupt_at=trainer.steps_per_epoch // 2 + 1)     # mid-epoch, after a checkpoint
+    assert 0 < load_checkpoint(tmp_path / "resumed" / "last.pt")["step"] < trainer.steps_per_epoch
+    resumed_trainer, resumed = train("resumed")
+    assert resumed_trainer.resumed
+    for (key, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), key

@@ -34,6 +34,15 @@ Decisions:
   offsets forked workers would share. A worker re-seeds its own torch RNG before every example (from that
   example's rng), so a transform that draws from torch is deterministic and resumable too.
 - Validation (`train=False`): one pass in shard order, no shuffle, partial last batches, no repeats.
+- **Epoch unit** (`epoch_unit`): "image" (default) draws one example per wanted record per epoch (the method's
+  `make_example` picks a caption/row with its rng). "method" iterates the method's own `epoch_unit` (caption,
+  word-region pair; `Method.units`/`unit_record`): the epoch's length is the number of units, and a cycle of
+  P = max units-per-record passes yields, in pass q, unit `order[q]` of every record that has more than q units,
+  `order` a permutation seeded by (seed, epoch, key, cycle). So every unit comes once per epoch (one worker and
+  rank; with several, up to the shard imbalance images have too), in a seeded order, and one pass never holds the
+  same image twice (a batch of one pass has no sibling captions as false negatives, as a global shuffle of ~400K
+  pairs rarely has). Cost: P reads of the shards per epoch (records past their units are skipped before
+  decoding). Determinism and resume are those of image epochs: the unit position is the stream position.
 """
 from __future__ import annotations
 
@@ -123,6 +132,19 @@ def count_wanted(paths: list[str], method) -> tuple[list[int], list[int], tuple[
     return totals, wanted, first
 
 
+def count_units(paths: list[str], method) -> tuple[list[int], int]:
+    """Per shard: the method's `units` summed over the records it wants; and the most units one record holds."""
+    per_shard, most = [], 0
+    for p in paths:
+        n = 0
+        for _, rec in iter_shard_records(p):
+            if method.wants(rec):
+                k = method.units(rec)
+                n, most = n + k, max(most, k)
+        per_shard.append(n)
+    return per_shard, most
+
+
 def _seeded(*parts) -> random.Random:
     return random.Random(":".join(str(p) for p in parts))
 
@@ -167,14 +189,20 @@ class _EpochStream(IterableDataset):
         stats: Counter = Counter()
         misses, seen = 0, set()
 
-        def wanted(raw):
+        unit_passes = cfg.get("unit_passes", 0)
+
+        def count_repeat(key):
+            if key in seen:
+                stats["samples_repeated"] += 1
+            seen.add(key)
+
+        def wanted(raw, p):
             nonlocal misses
             for s in raw:
-                rec = json.loads(s["json"])
+                rec, key = json.loads(s["json"]), s["__key__"]
                 stats["samples_read"] += 1
-                if s["__key__"] in seen:
-                    stats["samples_repeated"] += 1
-                seen.add(s["__key__"])
+                if not unit_passes:
+                    count_repeat(key)
                 if not method.wants(rec):
                     stats["dropped_by_method"] += 1
                     misses += 1
@@ -183,7 +211,15 @@ class _EpochStream(IterableDataset):
                                            f"{method.name!r} in {misses} consecutive samples")
                     continue
                 misses = 0
-                yield s["__key__"], s["jpg"], rec
+                if unit_passes:             # epoch_unit "method": this pass's unit of the record, if it has one
+                    cycle, q = divmod(p, unit_passes)
+                    n_units = method.units(rec)
+                    if q >= n_units:
+                        continue
+                    unit = _seeded(cfg["seed"], self.epoch, key, cycle, "units").sample(range(n_units), n_units)[q]
+                    key, rec = f"{key}#{unit}", method.unit_record(rec, unit)
+                    count_repeat(key)
+                yield key, s["jpg"], rec
 
         def passes():
             # pass after pass over the shards (train); each pass is shuffled on its own, so an epoch
@@ -191,7 +227,7 @@ class _EpochStream(IterableDataset):
             p = 0
             while True:
                 urls = wds.split_by_worker(wds.split_by_node(self._pass_urls(p)))
-                stream = wanted(wds.tarfile_to_samples()(urls))
+                stream = wanted(wds.tarfile_to_samples()(urls), p)
                 if train:
                     stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank,
                                                                                     worker, p, "buf"))
@@ -235,11 +271,16 @@ class ShardLoader:
     """
 
     def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
-                 seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True):
+                 seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True,
+                 epoch_unit: str = "image"):
         import webdataset as wds
 
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if epoch_unit not in ("image", "method"):
+            raise ValueError(f"epoch_unit must be 'image' or 'method', got {epoch_unit!r}")
+        if epoch_unit == "method" and not train:
+            raise ValueError("epoch_unit 'method' is for training loaders (validation is one pass over the images)")
         self.paths = shard_paths(shards_dir, split)
         self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
         self.num_workers, self.train = num_workers, train
@@ -251,12 +292,19 @@ class ShardLoader:
             raise InputError(shards_dir, split, f"method {method.name!r} wants none of the {self.num_samples} samples")
         log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
                  self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
+        self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
+        unit_passes, self.num_units = 0, self.num_wanted
+        if self.epoch_unit != "image":
+            shard_units, unit_passes = count_units(self.paths, method)
+            self.num_units = sum(shard_units)
+            log.info("epoch unit %s: %d units in the %d wanted samples (up to %d in one)", self.epoch_unit,
+                     self.num_units, self.num_wanted, unit_passes)
         w = max(1, num_workers)
         if train and len(self.paths) < w * self.world_size:
             raise InputError(shards_dir, split, f"{len(self.paths)} shards for {w} workers x {self.world_size} ranks: "
                              "every worker needs a shard (fewer workers, or smaller shards.maxcount)")
         if train:
-            nb = math.ceil(self.num_wanted / (batch_size * self.world_size))
+            nb = math.ceil(self.num_units / (batch_size * self.world_size))
             self.batches_per_epoch = math.ceil(nb / w) * w
         else:
             self.batches_per_epoch = self._eval_batches(w)
@@ -264,7 +312,7 @@ class ShardLoader:
         self._loader = None
         cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
                      "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-                     "max_misses": 2 * self.num_samples + 1}
+                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes}
         self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
 
     def _eval_batches(self, w: int) -> int:

@@ -27,6 +27,7 @@ class Method:
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     find_unused_parameters: bool = False        # DDP: True if some trainable params may skip a forward
     uses_logit_scale: bool = True               # the model's own logit_scale enters this method's loss
+    epoch_unit: str = "image"                   # what the paper's epoch iterates: image | caption | word_region
 
     def __init__(self, **config: Any):
         self.config = dict(config)
@@ -39,6 +40,16 @@ class Method:
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         """One training example (tensors/ints only) from a shard record and its decoded PIL image."""
         raise NotImplementedError(f"{type(self).__name__}.make_example")
+
+    def units(self, record: dict) -> int:
+        """How many `epoch_unit`s a wanted record holds (>= 1): the loader's epoch with `train.epoch_unit: method`
+        visits each once."""
+        return 1
+
+    def unit_record(self, record: dict, unit: int) -> dict:
+        """The record narrowed to its `unit`-th unit (0 <= unit < `units(record)`), so that `make_example` can only
+        draw that unit; the image stays the record's."""
+        return record
 
     # ----------------------------------------------------------------------------------- model and loss
     def build(self, model) -> nn.Module:
@@ -74,3 +85,15 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class CaptionUnits:
+    """`epoch_unit` "caption" for methods that draw one of `record["captions"]`: an epoch is one pass over the
+    image-caption pairs (the rows of open_clip's CSV/NegCLIP TSV loaders that CLIP fine-tuning and FSC-CLIP use)."""
+    epoch_unit = "caption"
+
+    def units(self, record: dict) -> int:
+        return len(record["captions"])
+
+    def unit_record(self, record: dict, unit: int) -> dict:
+        return {**record, "captions": [record["captions"][unit]]}

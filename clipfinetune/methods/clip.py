@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from .base import Method
+from .base import CaptionUnits, Method
 
 
 class ClipFeatures(nn.Module):
@@ -27,7 +27,7 @@ class ClipFeatures(nn.Module):
                 "logit_scale": self.model.clip.logit_scale.exp()}
 
 
-class ClipMethod(Method):
+class ClipMethod(CaptionUnits, Method):
     name = "clip"
     terms: ClassVar[dict[str, str | None]] = {"contrastive": None}
 

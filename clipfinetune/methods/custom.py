@@ -172,6 +172,7 @@ class CustomLoss(nn.Module):
 
 class CustomMethod(Method):
     name = "custom"
+    epoch_unit = "image"            # a mix: its methods' units differ, so one example per image (each draws its own)
 
     def __init__(self, terms: dict | None = None):
         super().__init__(terms=dict(terms or {}))

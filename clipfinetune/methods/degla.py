@@ -1,7 +1,8 @@
 """DeGLA (ACM MM 2025): the data, forward and EMA glue around `losses.degla.DeglaLoss`.
 
 Data: a shard record with short captions whose `negatives` (from the `negatives` stage: entries {caption_index, type,
-texts}) cover at least one caption. Each step draws, with the loader's `rng`, one caption that has negatives, and
+texts}) cover at least one caption. Each step draws, with the loader's `rng`, one caption that has negatives (with
+`train.epoch_unit: method` the loader hands over one such caption per example, each once an epoch), and
 takes its K = 4 negatives (DeGLA's `enhanced[0..3]`). Example:
 
     image      [3, S, S]
@@ -94,6 +95,7 @@ class DeglaMethod(Method):
     name = "degla"
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": None, "igc": "lambda_igc", "tgc": "lambda_tgc", "distill": "lambda_distill"}
+    epoch_unit = "caption"          # the paper's epoch runs over the ~414K COCO train2014 captions
 
     def __init__(self, lambda_igc: float = 0.1, lambda_tgc: float = 0.1, lambda_distill: float = 0.005,
                  ema_alpha: float = 0.9996, tgc_logit_scale: float = 10.0):
@@ -107,6 +109,13 @@ class DeglaMethod(Method):
 
     def wants(self, record: dict) -> bool:
         return bool(caption_negatives(record))
+
+    def units(self, record: dict) -> int:
+        return len(caption_negatives(record))          # the captions that have negatives (the ones drawn)
+
+    def unit_record(self, record: dict, unit: int) -> dict:
+        index = sorted(caption_negatives(record))[unit]
+        return {**record, "negatives": [e for e in record["negatives"] if int(e["caption_index"]) == index]}
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         negatives = caption_negatives(record)

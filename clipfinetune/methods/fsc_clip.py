@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Method
+from .base import CaptionUnits, Method
 
 NEGATIVE_TYPES = ("negclip", "replace", "shuffle")      # FSC-CLIP's three generators, in the authors' order
 PLACEHOLDER = ""                                        # the text of a missing negative (masked by neg_valid)
@@ -71,7 +71,7 @@ class FscClipFeatures(nn.Module):
         return features
 
 
-class FscClipMethod(Method):
+class FscClipMethod(CaptionUnits, Method):
     name = "fsc_clip"
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": None, "global_hn": "lambda_g", "local_hn": "lambda_l"}

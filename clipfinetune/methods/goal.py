@@ -112,6 +112,7 @@ class GoalMethod(Method):
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
         "tsl_text": "lambda_tsl"}
+    epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):

@@ -1,7 +1,9 @@
 """HarmoCLIP (Zeng et al., arXiv 2511.22594): the data and forward glue around `losses.harmoclip.HarmoClipLoss`.
 
 Data: a shard record with short captions and `word_regions` (records without them are skipped). Each step draws ONE
-row (caption, word, box) with the loader's `rng`; that caption is also the sample's L_GC caption (supplementary §7:
+row (caption, word, box) with the loader's `rng` (with `train.epoch_unit: method` the loader hands over one row per
+example, every row once an epoch: the paper's epoch over its word-region pairs); that caption is also the sample's
+L_GC caption (supplementary §7:
 "each caption contains only a single word aligned with one region"). The example holds
 
     image      [3, S, S]  ctx.transform(image) (squash resize, as FineCLIP)
@@ -74,7 +76,7 @@ class HarmoClipFeatures(nn.Module):
         self.need_lexeme, self.need_teacher = need_lexeme, need_teacher
         self.lexeme_projection_grad = lexeme_projection_grad
         self.teacher = frozen_teacher(model) if need_teacher else None
-        n_blocks = len(model.clip.visual.transformer.resblocks)
+        n_blocks = model.num_vision_blocks
         if unlocked_vision_layers != -1:
             if not 0 <= unlocked_vision_layers <= n_blocks:
                 raise ValueError(f"unlocked_vision_layers must be -1 (all) or 0..{n_blocks}, "
@@ -114,6 +116,7 @@ class HarmoClipMethod(Method):
     name = "harmoclip"
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": None, "lexeme_region": "lambda_lrc", "global_region": "lambda_gr"}
+    epoch_unit = "word_region"      # the paper's epoch runs over its ~599K word-region pairs (one row each)
 
     def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, unlocked_vision_layers: int = -1,
                  mask_same_category: bool = False, lexeme_projection_grad: bool = False):
@@ -126,6 +129,12 @@ class HarmoClipMethod(Method):
 
     def wants(self, record: dict) -> bool:
         return bool(record.get("word_regions")) and bool(record.get("captions"))
+
+    def units(self, record: dict) -> int:
+        return len(record["word_regions"])
+
+    def unit_record(self, record: dict, unit: int) -> dict:
+        return {**record, "word_regions": [record["word_regions"][unit]]}
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         row = rng.choice(record["word_regions"])

@@ -82,6 +82,7 @@ class MulClipMethod(Method):
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
         "subcaption_patch": "lambda_sub"}
+    epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
     train_keys = frozenset({"new_module_lr"})
     uses_logit_scale = False                                      # each objective has its own ContrastHead
     GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})

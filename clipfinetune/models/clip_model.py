@@ -1,12 +1,16 @@
 """`ClipModel`: an open_clip CLIP (ViT) with the token-, patch- and region-level views the methods need.
 
+Towers: open_clip's own ViT, or open_clip's timm tower (EVA02-CLIP, e.g. `EVA02-B-16`, whose text tower sits in
+`clip.text`), through one contract (`towers.py`): the code below never names a tower's modules.
+
 `model.clip` is the untouched open_clip model (its `encode_image`/`encode_text` keep working for
 open_clip tools); everything here runs over its own modules, without a fork.
 
 Decisions the papers leave open:
 - Image tokens come from open_clip's `forward_intermediates` (one forward gives the pooled embedding,
   the last block's pre-`ln_post` tokens, and, with `dense=True`, the input of the last block for
-  MaskCLIP's dense path). `patches` = ln_post(tokens) @ proj, not normalised, CLS excluded (FSC-CLIP).
+  MaskCLIP's dense path). `patches` = the tower's head of those tokens (ViT: ln_post then proj; EVA02: norm then
+  its projection head), not normalised, prefix (CLS) tokens excluded (FSC-CLIP).
 - Text is encoded only up to the batch's longest sequence (its EOT): with CLIP's causal mask no
   position up to EOT sees later padding, so the trimmed result is exact and costs L_max/77 of the work.
   `text_features` therefore returns `tokens`/`mask`/`hidden` of length L_max (<= context length); the
@@ -22,11 +26,12 @@ import copy
 import open_clip
 import torch
 import torch.nn.functional as F
-from open_clip.transformer import PatchDropout, QuickGELU, ResidualAttentionBlock, VisionTransformer
+from open_clip.transformer import QuickGELU
 from torch import nn
 
 from . import regions
 from .text import get_tokenizer, token_span
+from .towers import text_pool, text_tower, vision_tower
 
 PAD_ID = 0      # open_clip's SimpleTokenizer pads with 0
 
@@ -60,18 +65,31 @@ class ClipModel(nn.Module):
 
     # ---- geometry and tokenizer -------------------------------------------------------------------
     @property
+    def vision(self):
+        """The image tower's contract (`towers.OpenClipViT` / `towers.TimmViT`)."""
+        return vision_tower(self.clip.visual)
+
+    @property
+    def text_tower(self) -> nn.Module:
+        return text_tower(self.clip)
+
+    @property
     def image_size(self) -> int:
-        height, width = self.clip.visual.image_size
+        height, width = self.vision.image_size
         return height if height == width else (height, width)
 
     @property
     def patch_size(self) -> int:
-        height, width = self.clip.visual.patch_size
+        height, width = self.vision.patch_size
         return height if height == width else (height, width)
 
     @property
     def grid(self) -> tuple[int, int]:
-        return tuple(self.clip.visual.grid_size)
+        return self.vision.grid
+
+    @property
+    def num_vision_blocks(self) -> int:
+        return len(self.vision.blocks)
 
     @property
     def num_patches(self) -> int:
@@ -79,11 +97,11 @@ class ClipModel(nn.Module):
 
     @property
     def context_length(self) -> int:
-        return self.clip.context_length
+        return self.text_tower.context_length
 
     @property
     def embed_dim(self) -> int:
-        return self.clip.visual.output_dim
+        return int(self.model_cfg["embed_dim"])
 
     @property
     def tokenizer(self):
@@ -97,7 +115,7 @@ class ClipModel(nn.Module):
         return token_span(self.tokenizer, text, char_start, char_end)
 
     def box_patch_mask(self, boxes: torch.Tensor) -> torch.Tensor:
-        return regions.box_patch_mask(boxes, self.clip.visual.image_size, self.clip.visual.patch_size)
+        return regions.box_patch_mask(boxes, self.vision.image_size, self.vision.patch_size)
 
     # ---- global embeddings -------------------------------------------------------------------------
     def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
@@ -105,7 +123,7 @@ class ClipModel(nn.Module):
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         text, hidden = self._text_trunk(text, trim=True)
-        pooled = self.clip.ln_final(hidden[torch.arange(len(text), device=text.device), self._eot_positions(text)])
+        pooled = self.text_tower.ln_final(hidden[torch.arange(len(text), device=text.device), self._eot_positions(text)])
         pooled = self._project_text(pooled)
         return F.normalize(pooled, dim=-1) if normalize else pooled
 
@@ -121,12 +139,12 @@ class ClipModel(nn.Module):
         `dense=True` adds `dense` [B,D,gh,gw] (MaskCLIP) from the same trunk (blocks 0..L-2 shared).
         """
         visual = self.clip.visual
-        last = len(visual.transformer.resblocks) - 1
+        last = self.num_vision_blocks - 1
         out = visual.forward_intermediates(image.to(self.input_dtype), indices=[last - 1, last] if dense else [last],
                                            output_fmt="NLC", output_extra_tokens=dense)
         hidden = out["image_intermediates"][-1]
         features = {"global_": F.normalize(out["image_features"], dim=-1),
-                    "patches": visual.ln_post(hidden) @ visual.proj,
+                    "patches": self.vision.head(hidden),
                     "hidden": hidden}
         if dense:
             features["dense"] = self._dense_head(out["image_intermediates_prefix"][0], out["image_intermediates"][0])
@@ -141,7 +159,7 @@ class ClipModel(nn.Module):
         gradient from them into the projection; `global_` keeps the live one) -- HarmoCLIP's eqs. (3)-(4).
         """
         text, hidden = self._text_trunk(text, trim=trim)
-        normed = self.clip.ln_final(hidden)
+        normed = self.text_tower.ln_final(hidden)
         tokens = self._project_text(normed)
         eot = self._eot_positions(text)
         mask = text != PAD_ID
@@ -153,16 +171,16 @@ class ClipModel(nn.Module):
 
     def pool_image_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B,W] pooled pre-ln_post tokens -> ln_post, projection, L2 (GOAL's TSL image side)."""
-        return F.normalize(self.clip.visual.ln_post(hidden) @ self.clip.visual.proj, dim=-1)
+        return F.normalize(self.vision.head(hidden), dim=-1)
 
     def pool_text_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B,W] pooled pre-ln_final states -> ln_final, projection, L2 (GOAL's TSL text side)."""
-        return F.normalize(self._project_text(self.clip.ln_final(hidden)), dim=-1)
+        return F.normalize(self._project_text(self.text_tower.ln_final(hidden)), dim=-1)
 
     # ---- dense / region features ------------------------------------------------------------------
     def dense_features(self, image: torch.Tensor) -> torch.Tensor:
         """[B, D, gh, gw] L2-normalised MaskCLIP features (last block without attention mixing)."""
-        last = len(self.clip.visual.transformer.resblocks) - 1
+        last = self.num_vision_blocks - 1
         out = self.clip.visual.forward_intermediates(
             image.to(self.input_dtype), indices=[last - 1], stop_early=True, intermediates_only=True,
             output_fmt="NLC", output_extra_tokens=True)
@@ -170,7 +188,7 @@ class ClipModel(nn.Module):
 
     def pool_regions(self, dense: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
         """RoIAlign 1x1 over a dense map for xyxy boxes in input pixels -> [sum n_i, D] normalised."""
-        return F.normalize(regions.roi_pool(dense, boxes, tuple(self.clip.visual.image_size)), dim=-1)
+        return F.normalize(regions.roi_pool(dense, boxes, self.vision.image_size), dim=-1)
 
     def region_features(self, image: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
         return self.pool_regions(self.dense_features(image), boxes)
@@ -184,28 +202,25 @@ class ClipModel(nn.Module):
         return cfg
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _dense_head(self, cls_token: torch.Tensor, patch_tokens: torch.Tensor) -> torch.Tensor:
-        visual = self.clip.visual
-        last_block = visual.transformer.resblocks[-1]
-        if not isinstance(last_block, ResidualAttentionBlock):
-            raise NotImplementedError(f"dense features need open_clip's ResidualAttentionBlock, "
-                                      f"got {type(last_block).__name__}")
-        x = regions.value_path_block(last_block, torch.cat([cls_token, patch_tokens], dim=1))
-        x = F.normalize(visual.ln_post(x[:, 1:]) @ visual.proj, dim=-1)
+    def _dense_head(self, prefix_tokens: torch.Tensor, patch_tokens: torch.Tensor) -> torch.Tensor:
+        vision = self.vision
+        x = vision.value_path_block(vision.blocks[-1], torch.cat([prefix_tokens, patch_tokens], dim=1))
+        x = F.normalize(vision.head(x[:, prefix_tokens.shape[1]:]), dim=-1)
         return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *self.grid)
 
     def _can_trim(self) -> bool:
-        return self.clip.attn_mask is not None and self.clip.text_pool_type in ("argmax", "eos")
+        return self.text_tower.attn_mask is not None and text_pool(self.clip)[0] in ("argmax", "eos")
 
     def _eot_positions(self, text: torch.Tensor) -> torch.Tensor:
-        if self.clip.text_pool_type == "eos":
-            return (text == self.clip.text_eos_id).int().argmax(dim=-1)
-        if self.clip.text_pool_type == "argmax":     # EOT is the largest id in CLIP's vocabulary
+        pool_type, eos_id = text_pool(self.clip)
+        if pool_type == "eos":
+            return (text == eos_id).int().argmax(dim=-1)
+        if pool_type == "argmax":     # EOT is the largest id in CLIP's vocabulary
             return text.argmax(dim=-1)
-        raise NotImplementedError(f"text pool type {self.clip.text_pool_type!r} has no EOT position")
+        raise NotImplementedError(f"text pool type {pool_type!r} has no EOT position")
 
     def _text_trunk(self, text: torch.Tensor, trim: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        clip = self.clip
+        clip = self.text_tower
         if text.shape[1] != clip.context_length:
             raise ValueError(f"text is tokenized to {text.shape[1]} positions, the model takes {clip.context_length}")
         length = int(self._eot_positions(text).max()) + 1 if trim and self._can_trim() else text.shape[1]
@@ -216,7 +231,7 @@ class ClipModel(nn.Module):
         return text, clip.transformer(x, attn_mask=attn_mask)
 
     def _project_text(self, x: torch.Tensor, detach: bool = False) -> torch.Tensor:
-        projection = self.clip.text_projection
+        projection = self.text_tower.text_projection
         if projection is None:
             return x
         if isinstance(projection, nn.Linear):
@@ -228,10 +243,10 @@ class ClipModel(nn.Module):
 
 
 def _check_supported(clip: nn.Module) -> None:
-    if not isinstance(clip, open_clip.CLIP) or not isinstance(clip.visual, VisionTransformer):
-        raise NotImplementedError("ClipModel wraps open_clip's CLIP with a ViT image tower (not ResNet/timm/HF text)")
-    visual = clip.visual
-    if visual.attn_pool is not None or visual.pool_type != "tok" or visual.final_ln_after_pool:
-        raise NotImplementedError("ClipModel needs CLS-token pooling with ln_post before pooling (CLIP ViTs)")
-    if isinstance(visual.patch_dropout, PatchDropout):
-        raise NotImplementedError("patch dropout changes the patch grid that patch/box features index")
+    if not isinstance(clip, (open_clip.CLIP, open_clip.CustomTextCLIP)) or (
+            isinstance(clip, open_clip.CustomTextCLIP) and text_tower(clip) is clip):
+        raise NotImplementedError("ClipModel wraps open_clip's CLIP/CustomTextCLIP with open_clip's text transformer "
+                                  "(not HF text towers)")
+    reason = vision_tower(clip.visual).unsupported()      # ResNet towers: NotImplementedError from vision_tower
+    if reason:
+        raise NotImplementedError(reason)

@@ -120,6 +120,7 @@ def _load_safetensors(path) -> dict[str, torch.Tensor]:
 def load_state_dict_into(clip: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str = "") -> None:
     state_dict = dict(state_dict)
     resize_pos_embed(state_dict, clip)          # a checkpoint at another image size, as open_clip does
+    _resize_timm_pos_embed(state_dict, clip)    # the same for a timm tower, with timm's own resampler
     try:
         clip.load_state_dict(state_dict, strict=True)
     except RuntimeError as error:
@@ -169,6 +170,21 @@ def _tokenizer_source(name: str, model_cfg: dict) -> str:
     return name if uses_other else ""
 
 
+def _resize_timm_pos_embed(state_dict: dict[str, torch.Tensor], clip: torch.nn.Module) -> None:
+    """A timm tower's absolute position table at another grid -> timm's `resample_abs_pos_embed` (EVA's rotary
+    embedding is computed from the grid, not stored)."""
+    key = "visual.trunk.pos_embed"
+    trunk = getattr(clip.visual, "trunk", None)
+    table = state_dict.get(key)
+    if trunk is None or table is None or getattr(trunk, "pos_embed", None) is None \
+            or table.shape == trunk.pos_embed.shape:
+        return
+    from timm.layers import resample_abs_pos_embed
+
+    prefix = 0 if getattr(trunk, "no_embed_class", False) else trunk.num_prefix_tokens
+    state_dict[key] = resample_abs_pos_embed(table, list(trunk.patch_embed.grid_size), num_prefix_tokens=prefix)
+
+
 def _checkpoint_context_length(state_dict: dict[str, torch.Tensor], model_cfg: dict) -> int:
-    table = state_dict.get("positional_embedding")
+    table = state_dict.get("positional_embedding", state_dict.get("text.positional_embedding"))
     return int(table.shape[0]) if table is not None else int(model_cfg["text_cfg"]["context_length"])

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .towers import text_tower
+
 
 def stretch_positional_embedding(table: torch.Tensor, keep: int = 20, ratio: int = 4) -> torch.Tensor:
     """Long-CLIP's stretched copy of an [n, W] table -> [keep + ratio * (n - keep), W]."""
@@ -54,7 +56,8 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
 def extend_context(model: nn.Module, length: int = 248, keep: int = 20, freeze_kept: bool = False,
                    ratio: int | None = None) -> nn.Module:
     """Stretch a CLIP's text positions in place (Long-CLIP); `ratio` overrides `length`."""
-    clip = getattr(model, "clip", model)
+    owner = getattr(model, "clip", model)
+    clip = text_tower(owner)                 # the module holding the text positions (CustomTextCLIP: `clip.text`)
     if parametrize.is_parametrized(clip, "positional_embedding"):
         raise ValueError("the text positional embedding is already stretched")
     old = clip.positional_embedding.detach()
@@ -69,19 +72,18 @@ def extend_context(model: nn.Module, length: int = 248, keep: int = 20, freeze_k
     clip.positional_embedding = nn.Parameter(new_table, requires_grad=clip.positional_embedding.requires_grad)
     if freeze_kept:
         parametrize.register_parametrization(clip, "positional_embedding", KeptRows(new_table[:keep]))
-    clip.context_length = length
+    clip.context_length = owner.context_length = length
     clip.attn_mask = causal_mask(length, device=old.device)      # non-persistent buffer, as open_clip's
     return model
 
 
 def fold_kept_rows_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A `freeze_kept` checkpoint's state dict as a plain model's (`positional_embedding` key)."""
-    original_key = "parametrizations.positional_embedding.original"
-    if original_key not in state_dict:
-        return state_dict
     folded = dict(state_dict)
-    kept = folded.pop("parametrizations.positional_embedding.0.kept_rows")
-    table = folded.pop(original_key).clone()
-    table[:kept.shape[0]] = kept
-    folded["positional_embedding"] = table
+    for original_key in [k for k in state_dict if k.endswith("parametrizations.positional_embedding.original")]:
+        prefix = original_key[:-len("parametrizations.positional_embedding.original")]    # "text." (CustomTextCLIP)
+        kept = folded.pop(prefix + "parametrizations.positional_embedding.0.kept_rows")
+        table = folded.pop(original_key).clone()
+        table[:kept.shape[0]] = kept
+        folded[prefix + "positional_embedding"] = table
     return folded

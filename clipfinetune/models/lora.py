@@ -13,6 +13,8 @@ Decisions (METHODS 2.4, 6.4):
   patch-embed Conv2d (loralib layout A [r*k, in*k], B [out*k, r*k]); the packed q/k/v LoRA (one A
   [r, W] shared by q, k, v, B [3W, r]) starts with *both* A and B xavier-uniform, so the model starts
   slightly perturbed; out_proj and MLP LoRA start at zero.
+- timm image towers (EVA02-CLIP): LoRA on every `nn.Linear` of each block (EVA's separate q/k/v projections,
+  attention out-projection, SwiGLU MLP), B = 0 at the start whatever `init`; the patch-embed conv as above.
 - Dropout acts on the LoRA input of linears and attention; the conv LoRA merges on the fly (as loralib)
   and ignores dropout. By default only LoRA parameters stay trainable (FSC-CLIP's
   `mark_only_lora_as_trainable`, which also freezes `logit_scale`).
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from .towers import OpenClipViT, text_tower, vision_tower
 
 LORA_INITS = ("zero", "fsc_clip")
 
@@ -162,17 +166,35 @@ def apply_lora(model: nn.Module, rank: int = 4, alpha: float | None = None, drop
     clip = getattr(model, "clip", model)
     if any(isinstance(m, _LoRAMixin) for m in clip.modules()):
         raise ValueError("model already carries LoRA")
-    for transformer in (clip.visual.transformer, clip.transformer):
-        for block in transformer.resblocks:
-            block.attn = LoRAMultiheadAttention.wrap(block.attn, rank, alpha, dropout, init)
-            block.mlp.c_fc = LoRALinear.wrap(block.mlp.c_fc, rank, alpha, dropout)
-            block.mlp.c_proj = LoRALinear.wrap(block.mlp.c_proj, rank, alpha, dropout)
+    vision = vision_tower(clip.visual)
+    open_clip_blocks = list(text_tower(clip).transformer.resblocks)
+    if isinstance(vision, OpenClipViT):
+        open_clip_blocks += list(vision.blocks)
+    else:
+        for block in vision.blocks:
+            _lora_on_linears(block, rank, alpha, dropout)
+    for block in open_clip_blocks:
+        block.attn = LoRAMultiheadAttention.wrap(block.attn, rank, alpha, dropout, init)
+        block.mlp.c_fc = LoRALinear.wrap(block.mlp.c_fc, rank, alpha, dropout)
+        block.mlp.c_proj = LoRALinear.wrap(block.mlp.c_proj, rank, alpha, dropout)
     if init == "fsc_clip":
-        clip.visual.conv1 = LoRAConv2d.wrap(clip.visual.conv1, rank, alpha, dropout)
+        vision.patch_embed = LoRAConv2d.wrap(vision.patch_embed, rank, alpha, dropout)
     if train_only_lora:
         for name, param in clip.named_parameters():
             param.requires_grad_(name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"))
     return model
+
+
+def _lora_on_linears(block: nn.Module, rank: int, alpha: float, dropout: float) -> None:
+    """LoRA on every `nn.Linear` of a timm block (they are all called as modules, so LoRA reaches the output)."""
+    attn = getattr(block, "attn", None)
+    if getattr(attn, "qkv", None) is not None and getattr(attn, "q_bias", None) is not None:
+        raise NotImplementedError("LoRA on a fused qkv with separate biases: timm calls F.linear on its weight")
+    for name, module in list(block.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent_name, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent_name) if parent_name else block, child,
+                    LoRALinear.wrap(module, rank, alpha, dropout))
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

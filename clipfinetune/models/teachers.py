@@ -13,6 +13,8 @@ import copy
 import torch
 from torch import nn
 
+from .towers import text_tower, vision_tower
+
 
 def frozen_teacher(model: nn.Module) -> nn.Module:
     """A frozen copy of `model` (HarmoCLIP's GR target, DeGLA's frozen variant)."""
@@ -41,16 +43,17 @@ def ema_update(teacher: nn.Module, student: nn.Module, alpha: float) -> None:
 
 
 def freeze_vision_blocks(model: nn.Module, n: int) -> None:
-    """Freeze the patch embedding, CLS/positional embeddings, ln_pre and the first `n` vision blocks."""
-    visual = getattr(model, "clip", model).visual
-    if not 0 <= n <= len(visual.transformer.resblocks):
-        raise ValueError(f"cannot freeze {n} of {len(visual.transformer.resblocks)} vision blocks")
+    """Freeze the stem (patch embedding, CLS/positional embeddings, ln_pre; timm: its "stem" group) and the first
+    `n` vision blocks."""
+    vision = vision_tower(getattr(model, "clip", model).visual)
+    if not 0 <= n <= len(vision.blocks):
+        raise ValueError(f"cannot freeze {n} of {len(vision.blocks)} vision blocks")
     if n == 0:
         return
-    for part in (visual.conv1, visual.ln_pre, *visual.transformer.resblocks[:n]):
-        part.requires_grad_(False)
-    visual.class_embedding.requires_grad_(False)
-    visual.positional_embedding.requires_grad_(False)
+    for block in vision.blocks[:n]:
+        block.requires_grad_(False)
+    for param in vision.stem_parameters():
+        param.requires_grad_(False)
 
 
 def freeze_tower(model: nn.Module, tower: str) -> None:
@@ -59,9 +62,10 @@ def freeze_tower(model: nn.Module, tower: str) -> None:
     if tower == "vision":
         clip.visual.requires_grad_(False)
     elif tower == "text":
-        for part in (clip.token_embedding, clip.transformer, clip.ln_final):
+        text = text_tower(clip)
+        for part in (text.token_embedding, text.transformer, text.ln_final):
             part.requires_grad_(False)
-        for name, param in clip.named_parameters():
+        for name, param in text.named_parameters():
             if name.startswith(("positional_embedding", "parametrizations.positional_embedding", "text_projection")):
                 param.requires_grad_(False)
     else:

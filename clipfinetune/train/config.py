@@ -25,6 +25,7 @@ class TrainConfig:
     checkpoint_every: int = 0       # optimiser steps; 0 = only the final checkpoint
     seed: int = 0
     workers: int = 0                # loader worker processes
+    epoch_unit: str = "image"       # image: one example per image an epoch; method: the method's own unit (loader.py)
     precision: str = "fp32"         # fp32 | bf16 (autocast; the stage resolves bf16 -> fp32 on CPU)
 
     def __post_init__(self):
@@ -32,6 +33,8 @@ class TrainConfig:
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if self.accum_steps < 1 or self.batch_size % self.accum_steps:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of accum_steps {self.accum_steps}")
+        if self.epoch_unit not in ("image", "method"):
+            raise ValueError(f"epoch_unit must be image or method, got {self.epoch_unit!r}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("epochs and batch_size must be >= 1")
 
