@@ -1,8 +1,11 @@
 """Stage `pretrain`: the small base CLIP, trained from scratch on the sample world's short captions -> models/base/.
 
-Global contrastive (the plain CLIP method) on every training image with one of its COCO captions drawn at random
-each epoch, read directly from data/sample/annotations/captions_train.json + data/sample/images/train (not the
-shards: they need LISM pairs, and LISM on the sample world uses this model).
+Global contrastive (the plain CLIP method) on every image of the sample world's pretraining-only split with one of
+its captions drawn at random each epoch, read directly from data/sample/annotations/captions_pretrain.json +
+data/sample/images/pretrain (not the shards: they need LISM pairs, and LISM on the sample world uses this model).
+`pretrain.one_colour_share` of every batch holds images of one colour (`train.sources.CaptionPairSource`). Before
+the contrastive steps, `pretrain.label_warmup_steps` steps train the image tower to name the shapes and colours of
+each image (`train.label_warmup`, the LiT-style supervised start; 0 = off).
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -21,8 +24,11 @@ import shutil
 
 from _common import ROOT, setup_logging, stage_inputs, stage_params, stage_parser
 
-CAPTIONS = "data/sample/annotations/captions_train.json"
-IMAGES = "data/sample/images/train"
+CAPTIONS = "data/sample/annotations/captions_pretrain.json"
+IMAGES = "data/sample/images/pretrain"
+GROUP_KEY = "colour"        # images[] key of CAPTIONS: the group of pretrain.one_colour_share
+LABEL_KEY = "labels"        # images[] key of CAPTIONS: the shapes and colours the label warm-up predicts
+OWN_KEYS = ("one_colour_share", "label_warmup_steps", "label_warmup_lr")   # pretrain keys TrainConfig does not hold
 
 
 def main() -> None:
@@ -50,17 +56,22 @@ def main() -> None:
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
     from clipfinetune.train.checkpoint import seed_everything
     from clipfinetune.train.config import resolve_precision
+    from clipfinetune.train.label_warmup import label_warmup
     from clipfinetune.train.sources import CaptionPairSource
 
     dist = init_distributed()
     try:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
-        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
+        cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS},
+                          precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)
         source = CaptionPairSource(ROOT / CAPTIONS, ROOT / IMAGES, model.transform, model.tokenize,
-                                   cfg.micro_batch_size, cfg.seed, dist.rank, dist.world_size)
+                                   cfg.micro_batch_size, cfg.seed, dist.rank, dist.world_size,
+                                   group_key=GROUP_KEY, group_share=group_share,
+                                   label_key=LABEL_KEY if label_steps else "")
         log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)
@@ -68,6 +79,11 @@ def main() -> None:
                                         "pretrain": settings}, stage_inputs(params.stage), dist.world_size, ROOT)
         trainer = Trainer(ClipMethod(), model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
+        if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
+            log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
+            label_warmup(model, source.images, source.labels, steps=label_steps,
+                         lr=float(settings["label_warmup_lr"]), batch_size=cfg.batch_size, warmup=cfg.warmup,
+                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize)
         trainer.fit()
         if dist.is_main:
             export_model(model, out)
