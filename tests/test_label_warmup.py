@@ -48,9 +48,12 @@ def test_label_warmup_is_a_function_of_its_seed():
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
 
 
-def test_label_warmup_rejects_unlabelled_images():
+def test_label_warmup_draws_only_labelled_images_and_needs_one():
     model = load_model("cft-tiny-vit")
     images, labels = _data(4)
-    labels[2] = 0.0
+    labels[1:] = 0.0
+    images[1:] = float("nan")                 # an unlabelled image in a batch would make the loss NaN
+    curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=4)
+    assert all(v == v for v in curve)
     with pytest.raises(ValueError, match="label"):
-        label_warmup(model, images, labels, steps=1, lr=1e-3, batch_size=4)
+        label_warmup(model, images, torch.zeros_like(labels), steps=1, lr=1e-3, batch_size=4)

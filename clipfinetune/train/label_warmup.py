@@ -31,13 +31,15 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
                  warmup: int = 0, wd: float = 0.0, seed: int = 0,
                  normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch) -> list[float]:
     """Train `model`'s image tower for `steps` steps on (images, multi-hot labels [N, V]); returns the loss curve.
+    Batches are drawn from the images with at least one label.
 
     `images` are stored batches that `normalize` turns into model input (`CaptionPairSource.images`/`.normalize`).
     """
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} label rows")
-    if len(labels) and not bool((labels.sum(1) > 0).all()):
-        raise ValueError("every image needs at least one label")
+    labelled = torch.nonzero(labels.sum(1) > 0).flatten()          # images without labels take no part
+    if len(labelled) == 0:
+        raise ValueError("no image has a label")
     if steps < 1:
         return []
     visual = model.clip.visual
@@ -55,7 +57,7 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr * cosine_with_warmup(step, warmup, steps)
-        idx = torch.randint(len(images), (min(batch_size, len(images)),), generator=g)
+        idx = labelled[torch.randint(len(labelled), (min(batch_size, len(labelled)),), generator=g)]
         logits = head(model.encode_image(normalize(images[idx]).to(device), normalize=False))
         target = labels[idx].to(device, logits.dtype)
         loss = -(target / target.sum(1, keepdim=True) * F.log_softmax(logits, dim=1)).sum(1).mean()
