@@ -116,24 +116,23 @@ def make_obj(rng: np.random.Generator, shape: str, colour: str, size: str, cx: f
 
 
 def place(rng: np.random.Generator, specs: list[tuple[str, str, str]], size: int, grid: bool = False,
-          tries: int = 80, radius: tuple[float, float] | None = None) -> list[Obj]:
+          tries: int = 80) -> list[Obj]:
     """Place (shape, colour, size) specs without overlap. A spec that does not fit as "large" is tried
-    as "small"; one that does not fit at all is dropped (the scene simply holds fewer objects).
-    `radius` (fractions of the image side) replaces the radius range of the first attempt (close-ups)."""
+    as "small"; one that does not fit at all is dropped (the scene simply holds fewer objects)."""
     if grid:
         return _place_grid(rng, specs, size)
     objs: list[Obj] = []
     for shape, colour, sz in specs:
-        for k, attempt_size in enumerate([sz, "small"] if sz == "large" else [sz]):
-            o = _try_place(rng, shape, colour, attempt_size, size, objs, tries, radius if k == 0 else None)
+        for attempt_size in ([sz, "small"] if sz == "large" else [sz]):
+            o = _try_place(rng, shape, colour, attempt_size, size, objs, tries)
             if o is not None:
                 objs.append(o)
                 break
     return objs
 
 
-def _try_place(rng, shape, colour, sz, size, objs, tries, radius=None) -> Obj | None:
-    lo, hi = radius or SIZES[sz]
+def _try_place(rng, shape, colour, sz, size, objs, tries) -> Obj | None:
+    lo, hi = SIZES[sz]
     for _ in range(tries):
         r = float(rng.uniform(lo, hi)) * size
         cx, cy = rng.uniform(r + 1, size - r - 1, 2)

@@ -36,8 +36,6 @@ STREAMS = {"train": 1, "val": 2, "docci_train": 3, "docci_test": 4, "aro_relatio
 VAL_ID_OFFSET = 1_000_000       # COCO ids: train 1..n_train, val 1_000_001.., pretrain 2_000_001..; disjoint
 PRETRAIN_ID_OFFSET = 2_000_000
 PRETRAIN_OBJECTS = 2            # objects per pretraining image: 1..PRETRAIN_OBJECTS
-PRETRAIN_CLOSE_UPS = 0.5        # share of one-object pretraining images that are close-ups: the object nearly fills
-CLOSE_UP_RADIUS = (0.3, 0.46)   # the image (radius, fraction of the side), as in the crops LISM and GOAL encode
 
 
 @dataclass(frozen=True)
@@ -85,10 +83,7 @@ def _coco_split(w: _Writer, cfg: WorldConfig, split: str, n: int, id0: int):
         iid = id0 + i
         fn = f"{iid:012d}.jpg"
         specs = random_specs(rng, int(rng.integers(lo, hi + 1)))
-        close_up = pretraining and len(specs) == 1 and rng.random() < PRETRAIN_CLOSE_UPS
-        if close_up:
-            specs = [(shape, colour, "large") for shape, colour, _ in specs]
-        objs = place(rng, specs, cfg.image_size, radius=CLOSE_UP_RADIUS if close_up else None)
+        objs = place(rng, specs, cfg.image_size)
         if len(objs) < lo:          # a large object left no room for the rest: all small
             objs = place(rng, [(shape, colour, "small") for shape, colour, _ in specs], cfg.image_size)
         sc = new_scene(fn[:-4], cfg.image_size, random_background(rng), objs)
