@@ -3,7 +3,10 @@ models/base/.
 
 Global contrastive (the plain CLIP method) on every image of those sources with one of its captions drawn at
 random each epoch, read by the sources' readers (not the shards: they need LISM pairs, and LISM on the sample
-world uses this model).
+world uses this model). On the sample world the source is `pretrain`, the pretraining-only split.
+`pretrain.one_colour_share` of every batch holds images of one colour (`train.sources.CaptionPairSource`). Before
+the contrastive steps, `pretrain.label_warmup_steps` steps train the image tower to name the shapes and colours of
+each image (`train.label_warmup`, the LiT-style supervised start; 0 = off).
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -23,11 +26,15 @@ import shutil
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import ROOT, source_specs, stage_inputs, start
 
+GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretraining split: the group of one_colour_share
+LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts
+OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr")   # keys TrainConfig does not hold
+
 
 def main() -> None:
     _, params, log = start(__doc__, "pretrain")
     name, pretrained, precision = params["model.name"], params["model.pretrained"], params["model.precision"]
-    settings = {k: v for k, v in params["pretrain"].items() if k != "sources"}
+    settings = dict(params["pretrain"])
     sources = source_specs(params, params["pretrain.sources"])
     out, live_dir = ROOT / "models" / "base", ROOT / "dvclive" / "pretrain"
 
@@ -49,18 +56,22 @@ def main() -> None:
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
     from clipfinetune.train.checkpoint import seed_everything
     from clipfinetune.train.config import resolve_precision
+    from clipfinetune.train.label_warmup import label_warmup
     from clipfinetune.train.sources import CaptionPairSource
 
     dist = init_distributed()
     try:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
-        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
+        cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS},
+                          precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)
         records = [r for n, spec in sources.items() for r in read_source(n, spec)]
         source = CaptionPairSource(records, model.transform, model.tokenize, cfg.micro_batch_size, cfg.seed,
-                                   dist.rank, dist.world_size)
+                                   dist.rank, dist.world_size, group_key=GROUP_KEY, group_share=group_share,
+                                   label_key=LABEL_KEY if label_steps else "")
         log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)
@@ -68,6 +79,11 @@ def main() -> None:
                                         "pretrain": settings}, stage_inputs(params.stage), dist.world_size, ROOT)
         trainer = Trainer(ClipMethod(), model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
+        if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
+            log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
+            label_warmup(model, source.images, source.labels, steps=label_steps,
+                         lr=float(settings["label_warmup_lr"]), batch_size=cfg.batch_size, warmup=cfg.warmup,
+                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize)
         trainer.fit()
         if dist.is_main:
             export_model(model, out)

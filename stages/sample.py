@@ -11,7 +11,7 @@ from clipfinetune.sample import WorldConfig, generate_world
 
 OUT = ROOT / "data" / "sample"
 KEYS = ["seed", "image_size", "n_train", "n_val", "n_docci_train", "n_docci_test", "n_compositional",
-        "n_zeroshot_per_class"]
+        "n_zeroshot_per_class", "n_pretrain"]
 
 
 def main() -> None:

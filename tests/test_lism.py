@@ -55,6 +55,19 @@ def test_cpu_segmenter_finds_the_drawn_objects():
         assert max(box_iou(b, truth) for b in boxes) > 0.9
 
 
+def test_cpu_segmenter_drops_the_background_even_when_objects_split_it():
+    """A bar from top to bottom splits the grey background into two parts (each within the 1-80% area window);
+    regions touching the border are background: only the two squares inside remain."""
+    img = np.full((64, 80, 3), 90, np.uint8)
+    img[:, 36:44] = (30, 200, 30)                       # touches the top and bottom border: dropped too
+    img[10:20, 10:20] = (220, 30, 30)
+    img[40:50, 55:65] = (30, 30, 220)
+    boxes = sorted(s.box for s in segment_image(img, felzenszwalb_masks, 0.01, 0.8))
+    assert len(boxes) == 2
+    assert max(box_iou(boxes[0], (10, 10, 20, 20)), box_iou(boxes[1], (10, 10, 20, 20))) > 0.9
+    assert max(box_iou(boxes[0], (55, 40, 65, 50)), box_iou(boxes[1], (55, 40, 65, 50))) > 0.9
+
+
 @pytest.mark.timeout(120)
 def test_sam_path_with_real_sam_without_checkpoint(monkeypatch):
     """A real Sam from sam_model_registry (random weights): thresholds at 0 so that masks do appear.

@@ -168,7 +168,7 @@ def _md5s(paths):
 def test_evaluation_images_disjoint_from_training_images():
     root = tiny_world()
     docci = [json.loads(x) for x in (root / "docci/descriptions.jsonlines").read_text().splitlines()]
-    train = list((root / "images/train").glob("*.jpg")) + \
+    train = list((root / "images/train").glob("*.jpg")) + list((root / "images/pretrain").glob("*.jpg")) + \
         [root / "docci/images" / d["image_file"] for d in docci if d["split"] == "train"]
     evals = list((root / "images/val").glob("*.jpg")) + list((root / "aro/images").glob("*.jpg")) + \
         list((root / "zeroshot").rglob("*.jpg")) + \
@@ -183,11 +183,37 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
+    """Each pretraining image: 1-2 objects; `colour` = its first object's colour, `labels` = [shape, colour] of a
+    one-object image (else empty); every caption names only what the scene holds, and the kinds that list every object
+    (with or without colours) name all of it; shapes-only captions exist (colour alone cannot match them)."""
+    root = tiny_world()
+    coco = json.loads((root / "annotations/captions_pretrain.json").read_text())
+    assert len(coco["images"]) == TINY["n_pretrain"] and not (root / "annotations/instances_pretrain.json").exists()
+    recs = scenes(root)
+    captions: dict = {}
+    for a in coco["annotations"]:
+        captions.setdefault(a["image_id"], []).append(a["caption"].lower())
+    shapes_only = 0
+    for image in coco["images"]:
+        objects = recs[f"images/pretrain/{image['file_name']}"]["objects"]
+        assert 1 <= len(objects) <= 2 and image["colour"] == objects[0]["colour"]
+        assert image["labels"] == ([objects[0]["shape"], objects[0]["colour"]] if len(objects) == 1 else [])
+        assert len(captions[image["id"]]) == 5
+        for text in captions[image["id"]]:
+            words = set(text.replace(".", " ").replace(",", " ").split())
+            named_shapes = {s for s in SHAPES if s in words or s + "s" in words}
+            named_colours = {c for c in COLOURS if c in words}
+            assert named_shapes <= {o["shape"] for o in objects} and named_colours <= {o["colour"] for o in objects}
+            shapes_only += not named_colours and named_shapes == {o["shape"] for o in objects}
+    assert shapes_only >= 0.1 * 5 * TINY["n_pretrain"]
+
+
 def test_same_seed_byte_identical_and_other_seed_differs(tmp_path):
     from clipfinetune.sample import WorldConfig, generate_world
 
     small = {"image_size": 64, "n_train": 6, "n_val": 6, "n_docci_train": 4, "n_docci_test": 4,
-             "n_compositional": 6, "n_zeroshot_per_class": 1}
+             "n_compositional": 6, "n_zeroshot_per_class": 1, "n_pretrain": 4}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         generate_world(tmp_path / name, WorldConfig(seed=seed, **small))
     a, b, c = (_tree(tmp_path / n) for n in "abc")

@@ -92,7 +92,7 @@ def colour_name(rgb) -> str:
 # ---------------------------------------------------------------- the tiny world shared by the tests
 
 TINY = {"seed": 0, "image_size": 64, "n_train": 40, "n_val": 30, "n_docci_train": 40, "n_docci_test": 30,
-        "n_compositional": 50, "n_zeroshot_per_class": 2}
+        "n_compositional": 50, "n_zeroshot_per_class": 2, "n_pretrain": 40}
 
 
 @functools.cache

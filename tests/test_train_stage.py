@@ -123,6 +123,80 @@ def test_caption_source_splits_each_global_batch_between_ranks(tmp_path):
         assert torch.equal(torch.cat([a["text"], b["text"]]), whole["text"])
 
 
+def _coloured_coco(tmp_path, colours=("red", "blue", "green"), per_colour=8):
+    """Images 0.. with a `colour` group and `labels` in images[]; image i's caption is 'image i caption c'."""
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    images, annotations = [], []
+    for i in range(len(colours) * per_colour):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "images" / f"{i}.png")
+        colour = colours[i % len(colours)]
+        images.append({"id": i, "file_name": f"{i}.png", "width": 8, "height": 8, "colour": colour,
+                       "labels": [colour, "star" if i % 2 else "ring"]})
+        annotations += [{"id": 100 * i + c, "image_id": i, "caption": f"image {i} caption {c}"} for c in range(2)]
+    (tmp_path / "captions.json").write_text(json.dumps({"images": images, "annotations": annotations}))
+    return tmp_path / "captions.json", tmp_path / "images", {i: colours[i % len(colours)] for i in range(len(images))}
+
+
+def _records(captions, images):
+    from clipfinetune.data.readers import coco
+
+    return coco.read(captions, images)
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_caption_source_opens_every_batch_with_its_share_of_one_colour(tmp_path, share):
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images, colour_of = _coloured_coco(tmp_path)
+    source = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1,
+                               group_key="colour", group_share=share)
+    assert len(source) == 3
+    for epoch in range(3):
+        used = []
+        batch_colours = []
+        for batch in source.batches(epoch):
+            ids = batch["text"][:, 0].tolist()
+            counts = {c: sum(colour_of[i] == c for i in ids) for c in set(colour_of.values())}
+            top = max(counts, key=counts.get)
+            assert counts[top] >= share * 8                  # the one-colour part (mixed images may add more)
+            batch_colours.append(top)
+            used += ids
+        if share < 1.0:
+            assert len(set(used)) == len(used)               # no image twice in an epoch
+        assert len(set(batch_colours)) == 3                  # a new colour each batch (3 batches, balanced)
+    again = [b["text"] for b in source.batches(2)]           # a function of (seed, epoch)
+    assert all(torch.equal(a, b) for a, b in zip(again, [b["text"] for b in source.batches(2)]))
+
+
+def test_caption_source_without_a_share_is_the_plain_shuffle_and_labels_are_multi_hot(tmp_path):
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images, _ = _coloured_coco(tmp_path)
+    plain = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1)
+    zero = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1, group_key="colour",
+                             group_share=0.0, label_key="labels")
+    assert all(torch.equal(a["text"], b["text"]) for a, b in zip(plain.batches(0), zero.batches(0)))
+    assert zero.label_names == ["blue", "green", "red", "ring", "star"]
+    row = zero.labels[zero.image_ids.index("4")]                 # image 4: blue (4 % 3 = 1), ring (even)
+    assert row.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ValueError):
+        CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_share=0.5)   # no group key
+
+
+def test_caption_source_names_the_image_without_a_group(tmp_path):
+    from clipfinetune.io import InputError
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images, _ = _coloured_coco(tmp_path)
+    coco = json.loads(captions.read_text())
+    del coco["images"][5]["colour"]
+    captions.write_text(json.dumps(coco))
+    with pytest.raises(InputError, match="colour"):
+        CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_key="colour", group_share=0.5)
+
+
 # ------------------------------------------------------------------------------------------ pretrain, real weights
 def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_note(tmp_path, monkeypatch):
     """`model.pretrained: local-dir:<folder>` (the real profile's stand-in for ViT-B-16/openai): models/base is

@@ -94,7 +94,7 @@ def short_caption(rng: np.random.Generator, scene: Scene, kind: str | None = Non
         kind = "two"
     if kind == "three" and n_groups < 3:
         kind = "two"
-    if kind == "two" and n_groups < 2:
+    if kind == "two" and n_groups < 2 or kind == "count" and len(scene.objects) < 2:   # no "one shapes"
         kind = "one"
     if kind == "one":
         (np_text, c), = _mentions(rng, scene, 1)
@@ -143,6 +143,38 @@ def short_captions(rng: np.random.Generator, scene: Scene, n: int = 5) -> list[s
     while len(caps) < n:
         caps.append(short_caption(rng, scene))
     return caps
+
+
+# ---------------------------------------------------------------- pretraining captions
+
+PRETRAIN_NAMING = {"shapes": 0.3, "every": 0.4, "short": 0.3}   # share of each kind of pretraining caption
+
+
+def listing_caption(rng: np.random.Generator, scene: Scene, colours: bool) -> str:
+    """Every object of the scene, by (colour, shape) group ("A red star and two blue rings.") or, without
+    colours, by shape ("A star and two rings."): true and complete, so only the named attributes match it."""
+    counts: dict = {}
+    for o in scene.objects:
+        key = (o.colour, o.shape) if colours else (None, o.shape)
+        counts[key] = counts.get(key, 0) + 1
+    keys = list(counts)
+    nps = [noun_phrase(shape, counts[(colour, shape)], colour) for colour, shape in
+           (keys[i] for i in rng.permutation(len(keys)))]
+    body = nps[0] if len(nps) == 1 else ", ".join(nps[:-1]) + " and " + nps[-1]
+    return capitalise(pick(rng, ["", "a photo of ", "an image of "]) + body) + "."
+
+
+def pretraining_captions(rng: np.random.Generator, scene: Scene, n: int = 5) -> list[str]:
+    """n captions that vary in what they name (PRETRAIN_NAMING): shapes only, every object with its colour, or
+    an ordinary short caption. A shapes-only caption fits images of any colours, so colour alone cannot match it;
+    the base CLIP trained on the plain short captions settles on colour and never separates shape words (issue 22).
+    Repeats are allowed (a one-object image has few distinct true captions)."""
+    kinds, weights = list(PRETRAIN_NAMING), np.array(list(PRETRAIN_NAMING.values()))
+    out = []
+    for _ in range(n):
+        kind = kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))]
+        out.append(short_caption(rng, scene) if kind == "short" else listing_caption(rng, scene, kind == "every"))
+    return out
 
 
 # ---------------------------------------------------------------- long (DOCCI-style) descriptions

@@ -29,8 +29,8 @@ PY = sys.executable
 # the tiny world: a few seconds per stage, but every code path (several shards, COCO + DOCCI, train + test)
 TINY = {
     "sample": {"n_train": 8, "n_val": 4, "n_docci_train": 6, "n_docci_test": 2, "n_compositional": 2,
-               "n_zeroshot_per_class": 1},
-    "pretrain": {"epochs": 1, "batch_size": 4, "warmup": 1, "checkpoint_every": 0},
+               "n_zeroshot_per_class": 1, "n_pretrain": 8},
+    "pretrain": {"epochs": 1, "batch_size": 4, "warmup": 1, "checkpoint_every": 0, "label_warmup_steps": 2},
     "train": {"epochs": 2, "batch_size": 4, "warmup": 1, "checkpoint_every": 1, "workers": 0},
     "shards": {"maxcount": 4},
     "lism": {"batch_size": 16},

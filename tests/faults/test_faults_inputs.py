@@ -17,6 +17,7 @@ from .conftest import corrupt_jpeg
 pytestmark = pytest.mark.faults
 
 CAPTIONS = "data/sample/annotations/captions_train.json"
+PRETRAIN_CAPTIONS = "data/sample/annotations/captions_pretrain.json"   # what `pretrain` reads
 INSTANCES = "data/sample/annotations/instances_train.json"
 DOCCI = "data/sample/docci/descriptions.jsonlines"
 PREPARED = ["data/prepared/word_regions.parquet", "data/prepared/sentences.parquet",
@@ -120,8 +121,13 @@ def test_non_utf8_caption_file_names_file_and_annotation(tiny_project, tmp_path,
     victim["caption"] = "A red MARKER circle."
     raw = json.dumps(caps).encode().replace(b"MARKER", b"\xff\xfe caf\xe9")
     (proj / CAPTIONS).write_bytes(raw)
-    errors = assert_stages_fail_naming(inprocess, proj, ("word_regions", "negatives", "shards", "pretrain"),
+    errors = assert_stages_fail_naming(inprocess, proj, ("word_regions", "negatives", "shards"),
                                        CAPTIONS, victim["id"])
+    pre = load(proj, PRETRAIN_CAPTIONS)               # pretrain reads its own split's captions
+    pre_victim = pre["annotations"][3]
+    pre_victim["caption"] = "A red MARKER circle."
+    (proj / PRETRAIN_CAPTIONS).write_bytes(json.dumps(pre).encode().replace(b"MARKER", b"\xff\xfe caf\xe9"))
+    errors += assert_stages_fail_naming(inprocess, proj, ("pretrain",), PRETRAIN_CAPTIONS, pre_victim["id"])
     for err in errors:
         assert "UTF-8" in str(err)
 
@@ -228,5 +234,8 @@ def test_corrupt_and_missing_images_are_skipped_and_counted(tiny_project, tmp_pa
         assert gone not in keys
     assert sh["samples_train"] + sh["samples_val"] == sh["records"] - 4
 
-    # pretrain reads the images itself: a clear error
-    assert_stages_fail_naming(inprocess, proj, ("pretrain",), by_id[ids[0]], ids[0])
+    # pretrain reads its own split's images itself: a clear error naming the corrupt one
+    pre = {i["id"]: i["file_name"] for i in load(proj, PRETRAIN_CAPTIONS)["images"]}
+    victim = sorted(pre)[0]
+    corrupt_jpeg(proj / "data/sample/images/pretrain" / pre[victim])
+    assert_stages_fail_naming(inprocess, proj, ("pretrain",), pre[victim], victim)

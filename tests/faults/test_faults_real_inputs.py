@@ -12,6 +12,7 @@ import functools
 import io
 import json
 import random
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -229,11 +230,12 @@ def test_real_image_formats_through_every_image_reader(tiny_project, tmp_path, i
             load_image(path, record=record)
         assert str(path) in str(err.value)
 
-    # pretrain reads the COCO images itself: the first bad one is a clear error naming file and image id
+    # pretrain reads its own split's images itself: a bad one there is a clear error naming file and image id
+    pre = json.loads((proj / "data/sample/annotations/captions_pretrain.json").read_text())["images"][0]
+    shutil.copyfile(planted[BAD[0]]["coco"][1], proj / "data/sample/images/pretrain" / pre["file_name"])
     with pytest.raises(InputError) as err:
         inprocess(proj, "pretrain")
-    assert any(str(planted[k]["coco"][1].name) in str(err.value) and repr(planted[k]["coco"][0]) in str(err.value)
-               for k in BAD), str(err.value)
+    assert pre["file_name"] in str(err.value) and repr(pre["id"]) in str(err.value), str(err.value)
 
 
 # ------------------------------------------------------------------------------------------ text

@@ -37,7 +37,7 @@ VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "")
 TINY_LLAMA = Path(__file__).resolve().parent / "tiny_llama.py"
 SERVED = "tiny-llama"
 SAMPLE = {"n_train": 8, "n_val": 4, "n_docci_train": 6, "n_docci_test": 2, "n_compositional": 2,
-          "n_zeroshot_per_class": 1}                                   # 40 training captions
+          "n_zeroshot_per_class": 1, "n_pretrain": 0}                  # 40 training captions
 MAX_TOKENS = 256
 NEGATIVES = {"concurrency": 8, "timeout": 60, "max_retries": 2, "backoff": 0.2, "max_tokens": MAX_TOKENS,
              "temperature": 0.7, "seed": 0}

@@ -9,7 +9,7 @@ A *source* (params.yaml `sources.<name>`) names a reader and that reader's path 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # reader name -> module under clipfinetune.data.readers (each defines `read(source=..., **keys)` and `PATHS`)
@@ -29,6 +29,8 @@ class Record:
     size: tuple[int, int] | None = None   # (width, height) when the format states it
     data: bytes | None = None         # the image file's bytes when the format stores them (WebDataset)
     origin: str = ""                  # the annotation file it came from (for error messages)
+    extra: dict = field(default_factory=dict, compare=False)   # the format's other per-image fields (COCO:
+                                      # images[] keys beyond id/file_name/size, e.g. the sample pretraining labels)
 
     @property
     def path(self) -> Path:

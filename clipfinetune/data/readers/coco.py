@@ -124,6 +124,7 @@ def categories(coco_instances: dict, path="<instances>") -> dict[int, str]:
 
 
 KEYS = ("captions", "images", "instances", "splits")
+IMAGE_KEYS = ("id", "file_name", "width", "height")   # images[] keys a Record holds as fields
 PATHS = ("captions", "images", "instances")
 
 
@@ -141,5 +142,5 @@ def read(captions, images, instances=None, splits=None, source: str = "coco", co
         img = imgs[image_id]
         out.append(Record(source=source, image_id=str(image_id), image=img["file_name"], images_root=Path(images),
                           captions=tuple(c for _, c in caps), size=(int(img["width"]), int(img["height"])),
-                          origin=str(captions)))
+                          origin=str(captions), extra={k: v for k, v in img.items() if k not in IMAGE_KEYS}))
     return out
