@@ -4,7 +4,9 @@
 
 Names everything missing (one line each: the param key, what was expected, where) and exits 1 if anything is;
 notes (e.g. a CPU fallback in use, open_clip weights not cached yet) do not fail. Paths that a pipeline stage
-produces (outs in dvc.yaml, e.g. models/base, data/prepared/...) are not required to exist yet.
+produces (outs in dvc.yaml, e.g. models/base, data/prepared/...) are not required to exist yet. Training images that
+a configured evaluation set scores (same COCO id or same bytes, `clipfinetune.leakage`) are an error naming the
+set, the count and the first ids.
 
 `check(params, root)` is the library entry: it takes the params as a dict and reads no file on its own; only the
 command line reads the params file it is given.
@@ -188,7 +190,8 @@ def _benchmark_paths(task: str, name: str, cfg, prefix: str):
     yield prefix, cfg, kind
 
 
-def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None) -> list[Finding]:
+def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None,
+          leakage_check: bool = True) -> list[Finding]:
     root = Path(root)
     produced = produced_paths(root) if produced is None else produced
     found: list[Finding] = []
@@ -226,6 +229,59 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     report_set = _get(params, "eval.report.set")
     if report_set and report_set not in sets:
         found.append(Finding("eval.report.set", f"{report_set!r} names no configured benchmark set ({sorted(sets)})"))
+    if leakage_check:
+        found += check_leakage(params, root, produced)
+    return found
+
+
+def training_images(params: dict) -> list:
+    """The images the shards stage trains on: `sources:` (common_iface.md) when present, else `shards.*`."""
+    from clipfinetune import leakage
+
+    if _get(params, "sources"):
+        return leakage.training_images_from(_get(params, "sources"))
+    out = []
+    if _get(params, "shards.coco_captions") and _get(params, "shards.coco_images"):
+        out += leakage.coco_training_images(_get(params, "shards.coco_captions"), _get(params, "shards.coco_images"))
+    if _get(params, "shards.docci") and _get(params, "shards.docci_images"):
+        out += leakage.docci_training_images(_get(params, "shards.docci"), _get(params, "shards.docci_images"))
+    return out
+
+
+def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding]:
+    """Training images that a configured evaluation set scores (clipfinetune.leakage); digests cached under
+    <root>/data/cache/leakage. A set whose files are missing is reported above and not compared."""
+    import contextlib
+
+    from clipfinetune import leakage
+    from clipfinetune.io import InputError
+
+    found, evals = [], {}
+    with contextlib.chdir(root):        # params paths are relative to the project root
+        try:
+            train = training_images(params)
+        except (InputError, OSError, KeyError, ValueError) as e:
+            return [Finding("leakage", f"training images not readable, leakage not checked: {e}")]
+        for task, sets in (_get(params, "eval.benchmarks") or {}).items():
+            for name, cfg in (sets or {}).items():
+                if not cfg:
+                    continue
+                try:
+                    evals[f"{task}.{name}"] = [leakage.ImageRef(p, leakage.coco_id_of(p))
+                                               for p in leakage.evaluation_images(task, dict(cfg))]
+                except (InputError, OSError, KeyError, ValueError) as e:
+                    produced_here = any(_is_produced(str(v), produced) for _, v, _ in
+                                        _benchmark_paths(task, name, cfg, "") if v)
+                    if not produced_here:   # missing files are named above; a stage's output is checked by shards
+                        found.append(Finding(f"eval.benchmarks.{task}.{name}", f"not compared with the training "
+                                                                                f"images: {e}", missing=False))
+        overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=Path("data/cache/leakage"))
+    for o in overlaps:
+        found.append(Finding(f"eval.benchmarks.{o.eval_set}", f"LEAKAGE {o}"))
+    found.append(Finding("leakage", f"{cost['train_images']} training images compared with {cost['eval_images']} "
+                                    f"images of {len(evals)} evaluation sets: {len(overlaps)} overlapping; "
+                                    f"{cost['files_hashed']} files hashed, {cost['digests_reused']} digests reused "
+                                    "(data/cache/leakage)", missing=False))
     return found
 
 
