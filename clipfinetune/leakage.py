@@ -124,14 +124,23 @@ def evaluation_images(task: str, cfg: dict) -> list[str]:
     raise ValueError(f"unknown evaluation task {task!r}")
 
 
-def evaluation_sets(benchmarks: dict | None, skip=lambda task, name, cfg: False) -> dict[str, list[ImageRef]]:
-    """{"<task>.<set>": images} for every configured set of `eval.benchmarks`; `skip(task, name, cfg)` leaves a set
-    out (e.g. one whose list a pipeline stage has not produced yet)."""
+def evaluation_sets(benchmarks: dict | None, unreadable: dict | None = None) -> dict[str, list[ImageRef]]:
+    """{"<task>.<set>": images} for every configured set of `eval.benchmarks`. A set whose files cannot be read
+    (e.g. a sample-world set the `sample` stage has not written yet: it cannot hold a real training image) is left
+    out and its error put in `unreadable` when given, else raised."""
+    from clipfinetune.io import InputError
+
     out = {}
     for task, sets in (benchmarks or {}).items():
         for name, cfg in (sets or {}).items():
-            if cfg and not skip(task, name, cfg):
+            if not cfg:
+                continue
+            try:
                 out[f"{task}.{name}"] = [ImageRef(p, coco_id_of(p)) for p in evaluation_images(task, dict(cfg))]
+            except (InputError, OSError) as e:
+                if unreadable is None:
+                    raise
+                unreadable[f"{task}.{name}"] = str(e)
     return out
 
 

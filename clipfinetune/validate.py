@@ -256,25 +256,20 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
     from clipfinetune import leakage
     from clipfinetune.io import InputError
 
-    found, evals = [], {}
+    found = []
     with contextlib.chdir(root):        # params paths are relative to the project root
         try:
             train = training_images(params)
         except (InputError, OSError, KeyError, ValueError) as e:
             return [Finding("leakage", f"training images not readable, leakage not checked: {e}")]
-        for task, sets in (_get(params, "eval.benchmarks") or {}).items():
-            for name, cfg in (sets or {}).items():
-                if not cfg:
-                    continue
-                try:
-                    evals[f"{task}.{name}"] = [leakage.ImageRef(p, leakage.coco_id_of(p))
-                                               for p in leakage.evaluation_images(task, dict(cfg))]
-                except (InputError, OSError, KeyError, ValueError) as e:
-                    produced_here = any(_is_produced(str(v), produced) for _, v, _ in
-                                        _benchmark_paths(task, name, cfg, "") if v)
-                    if not produced_here:   # missing files are named above; a stage's output is checked by shards
-                        found.append(Finding(f"eval.benchmarks.{task}.{name}", f"not compared with the training "
-                                                                                f"images: {e}", missing=False))
+        unreadable: dict = {}
+        evals = leakage.evaluation_sets(_get(params, "eval.benchmarks"), unreadable)
+        for where, error in unreadable.items():
+            task, name = where.split(".", 1)
+            cfg = (_get(params, "eval.benchmarks") or {})[task][name]
+            if not any(_is_produced(str(v), produced) for _, v, _ in _benchmark_paths(task, name, cfg, "") if v):
+                found.append(Finding(f"eval.benchmarks.{where}", f"not compared with the training images: {error}",
+                                     missing=False))   # its missing files are named above
         overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=Path("data/cache/leakage"))
     for o in overlaps:
         found.append(Finding(f"eval.benchmarks.{o.eval_set}", f"LEAKAGE {o}"))

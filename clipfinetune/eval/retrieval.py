@@ -91,19 +91,35 @@ def read_flickr_token(path, images_root, names=None) -> RetrievalSet:
     return out
 
 
+def read_coco_captions(path, images_root) -> RetrievalSet:
+    """A COCO captions file (e.g. `captions_val2017.json`, HarmoCLIP's retrieval set): every image of `images[]`
+    with its captions in file order (`clipfinetune.data.coco.captions_by_image`); image = images_root/file_name."""
+    from clipfinetune.data import coco as cocoio
+
+    data = cocoio.load_json(path)
+    caps = cocoio.captions_by_image(data, path)
+    out = RetrievalSet([])
+    for image_id, im in sorted(cocoio.images_by_id(data, path).items()):
+        out.add(resolve_image(im["file_name"], images_root, image_id), [c for _, c in caps.get(image_id, [])])
+    return out
+
+
 def load_retrieval_set(cfg: dict) -> RetrievalSet:
     """One benchmark entry of `eval.benchmarks.retrieval.<set>`: exactly one of
-    `karpathy` | `blip` | `flickr_txt` | `flickr_token`, plus `images` (and optional `split`)."""
+    `karpathy` | `coco_captions` | `blip` | `flickr_txt` | `flickr_token`, plus `images` (and optional `split`)."""
     root = cfg.get("images")
     if cfg.get("karpathy"):
         return read_karpathy(cfg["karpathy"], root, cfg.get("split", "test"))
+    if cfg.get("coco_captions"):
+        return read_coco_captions(cfg["coco_captions"], root)
     if cfg.get("blip"):
         return read_blip_list(cfg["blip"], root)
     if cfg.get("flickr_txt"):
         return read_flickr_txt(cfg["flickr_txt"], root)
     if cfg.get("flickr_token"):
         return read_flickr_token(cfg["flickr_token"], root)
-    raise ValueError(f"retrieval benchmark needs one of karpathy|blip|flickr_txt|flickr_token, got {sorted(cfg)}")
+    raise ValueError(f"retrieval benchmark needs one of karpathy|coco_captions|blip|flickr_txt|flickr_token, "
+                     f"got {sorted(cfg)}")
 
 
 def retrieval_ranks(image_emb, text_emb, caption_image) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,11 @@ from torch import nn
 
 
 class Method:
+    # open_clip's optimiser conventions the forks inherit (METHODS.md 0.3): no weight decay on gains, biases and
+    # logit_scale, and logit_scale clamped to [0, ln 100] after each step; a method whose paper's code does
+    # neither (GOAL) turns them off
+    weight_decay_exclusions: bool = True
+    clamp_logit_scale: bool = True
     name: str = ""
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     find_unused_parameters: bool = False        # DDP: True if some trainable params may skip a forward

@@ -108,6 +108,10 @@ class GoalFeatures(nn.Module):
 
 class GoalMethod(Method):
     name = "goal"
+    # goal_loss_finetuning.py: AdamW(model.parameters(), lr, weight_decay=0.05), no param groups, and no clamp of
+    # logit_scale in the loop (METHODS.md 3.2, 3.4 item 6, 6.8)
+    weight_decay_exclusions = False
+    clamp_logit_scale = False
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):
