@@ -40,11 +40,12 @@ class Overlap:
     eval_set: str                     # e.g. "retrieval.real"
     by_id: list[int] = field(default_factory=list)          # COCO ids in both
     by_content: list[tuple[str, str]] = field(default_factory=list)   # (training path, evaluation path), same bytes
+    images: set = field(default_factory=set)                          # the evaluation paths found either way
 
     @property
     def count(self) -> int:
-        """Distinct evaluation images found in training (by id or by content)."""
-        return len(set(self.by_id) | {e for _, e in self.by_content})
+        """Distinct evaluation images found in training (by id, by content, or both)."""
+        return len(self.images)
 
     def __str__(self) -> str:
         parts = []
@@ -189,7 +190,8 @@ def find_overlaps(train: list[ImageRef], evals: dict[str, list[ImageRef]], cache
     """Overlaps of the training images with each evaluation set (sets without any are left out), and what the
     check cost: {"train_images", "eval_images", "files_hashed", "digests_reused"}."""
     train_ids = {r.coco_id for r in train if r.coco_id is not None}
-    overlaps = {name: Overlap(name, by_id=sorted({r.coco_id for r in refs if r.coco_id in train_ids}))
+    overlaps = {name: Overlap(name, by_id=sorted({r.coco_id for r in refs if r.coco_id in train_ids}),
+                              images={r.path for r in refs if r.coco_id in train_ids})
                 for name, refs in evals.items()}
     cost = {"train_images": len(train), "eval_images": sum(len(v) for v in evals.values()),
             "files_hashed": 0, "digests_reused": 0}
@@ -210,6 +212,7 @@ def find_overlaps(train: list[ImageRef], evals: dict[str, list[ImageRef]], cache
                         hit = by_digest.get(cache.digest(r.path, st))
                         if hit is not None:
                             overlaps[name].by_content.append((hit, r.path))
+                            overlaps[name].images.add(r.path)
             cost["files_hashed"], cost["digests_reused"] = cache.hashed, cache.reused
         finally:
             cache.close()

@@ -53,7 +53,7 @@ def test_coco_ids_come_from_either_file_naming():
 
 def test_a_shared_coco_id_is_a_leak_even_when_the_files_differ(tree):
     overlaps, cost = leakage.find_overlaps(_train(tree), _karpathy(tree))
-    assert [(o.eval_set, o.by_id, o.by_content) for o in overlaps] == [("retrieval.real", [42], [])]
+    assert [(o.eval_set, o.by_id, o.by_content, o.count) for o in overlaps] == [("retrieval.real", [42], [], 1)]
     with pytest.raises(leakage.LeakageError) as err:
         leakage.refuse(overlaps)
     assert "evaluation set retrieval.real: 1 of its images are training images" in str(err.value)
