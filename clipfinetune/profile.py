@@ -72,7 +72,7 @@ def merged(profile_paths) -> dict:
 
 def apply(profile_paths, params_path="params.yaml", dry_run: bool = False) -> list[str]:
     params = load(params_path)
-    changed = list(dict.fromkeys(k for path in _paths(profile_paths) for k in deep_merge(params, load(path))))
+    changed = deep_merge(params, merged(profile_paths))     # the profiles first: a key a later one resets is no change
     if not dry_run:
         tmp = Path(str(params_path) + ".tmp")
         with open(tmp, "w") as f:
