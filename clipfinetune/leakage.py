@@ -224,10 +224,10 @@ def refuse(overlaps: list[Overlap]) -> None:
         raise LeakageError(overlaps)
 
 
-def training_images_from(sources: dict) -> list[ImageRef]:
+def training_images_from(sources: dict, unchecked: list | None = None) -> list[ImageRef]:
     """Training images from a `{name: {reader, <paths>..., splits}}` mapping (common_iface.md `sources:`) of the
-    readers that have image files: coco (captions + images), docci (descriptions + images, splits default
-    [train]). Other readers have no images to compare yet and are ignored."""
+    readers whose images are files: coco (captions + images), docci (descriptions + images, splits default
+    [train]). The names of other sources (images inside tables or tars) go to `unchecked`: not compared yet."""
     out: list[ImageRef] = []
     for name, src in (sources or {}).items():
         reader = src.get("reader")
@@ -235,5 +235,6 @@ def training_images_from(sources: dict) -> list[ImageRef]:
             out += coco_training_images(src["captions"], src["images"])
         elif reader == "docci" and src.get("descriptions") and src.get("images"):
             out += docci_training_images(src["descriptions"], src["images"], src.get("splits") or ("train",))
+        elif unchecked is not None:
+            unchecked.append(name)
     return out
-

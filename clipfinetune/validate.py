@@ -234,12 +234,13 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     return found
 
 
-def training_images(params: dict) -> list:
-    """The images the shards stage trains on: `sources:` (common_iface.md) when present, else `shards.*`."""
+def training_images(params: dict, unchecked: list | None = None) -> list:
+    """The images the shards stage trains on: `sources:` (common_iface.md) when present, else `shards.*`; sources
+    whose images are not files are named in `unchecked`."""
     from clipfinetune import leakage
 
     if _get(params, "sources"):
-        return leakage.training_images_from(_get(params, "sources"))
+        return leakage.training_images_from(_get(params, "sources"), unchecked)
     out = []
     if _get(params, "shards.coco_captions") and _get(params, "shards.coco_images"):
         out += leakage.coco_training_images(_get(params, "shards.coco_captions"), _get(params, "shards.coco_images"))
@@ -256,12 +257,15 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
     from clipfinetune import leakage
     from clipfinetune.io import InputError
 
-    found = []
+    found, unchecked = [], []
     with contextlib.chdir(root):        # params paths are relative to the project root
         try:
-            train = training_images(params)
+            train = training_images(params, unchecked)
         except (InputError, OSError, KeyError, ValueError) as e:
             return [Finding("leakage", f"training images not readable, leakage not checked: {e}")]
+        if unchecked:
+            found.append(Finding("leakage", f"sources {unchecked} hold their images in tables or tars: not compared "
+                                            "with the evaluation sets", missing=False))
         unreadable: dict = {}
         evals = leakage.evaluation_sets(_get(params, "eval.benchmarks"), unreadable)
         for where, error in unreadable.items():

@@ -52,7 +52,7 @@ def test_coco_ids_come_from_either_file_naming():
 
 
 def test_a_shared_coco_id_is_a_leak_even_when_the_files_differ(tree):
-    overlaps, cost = leakage.find_overlaps(_train(tree), _karpathy(tree))
+    overlaps, _ = leakage.find_overlaps(_train(tree), _karpathy(tree))
     assert [(o.eval_set, o.by_id, o.by_content, o.count) for o in overlaps] == [("retrieval.real", [42], [], 1)]
     with pytest.raises(leakage.LeakageError) as err:
         leakage.refuse(overlaps)
@@ -107,3 +107,11 @@ def test_unreadable_evaluation_sets_are_reported_not_compared(tree):
     assert list(sets) == ["retrieval.real"] and list(unreadable) == ["retrieval.gone"]
     with pytest.raises(OSError):
         leakage.evaluation_sets({"retrieval": {"gone": {"karpathy": str(tree / "nope.json"), "images": "x"}}})
+
+
+def test_training_images_come_from_coco_and_docci_sources_and_other_readers_are_named(tree):
+    unchecked: list = []
+    refs = leakage.training_images_from({
+        "coco": {"reader": "coco", "captions": str(tree / "captions_train2017.json"), "images": str(tree / "train2017")},
+        "pairs": {"reader": "pairs", "table": "x.parquet", "images": "imgs"}}, unchecked)
+    assert sorted(r.coco_id for r in refs) == [9, 42] and unchecked == ["pairs"]

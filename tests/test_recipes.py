@@ -11,6 +11,7 @@ import pytest
 import yaml
 from fixtures import real_tree
 from fixtures.llm import openai_server
+from fixtures.profiles import unknown_keys
 from fixtures.project import copy_project, run, write_params
 
 from clipfinetune import profile
@@ -92,16 +93,7 @@ def test_each_recipe_validates_clean_and_plans_its_run(project, recipe):
 def test_a_recipe_names_only_keys_params_yaml_has_and_cites_every_value(recipe):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     text = (ROOT / "recipes" / f"{recipe}.yaml").read_text()
-    for key, _ in profile.flatten(yaml.safe_load(text)):
-        parts = key.split(".")
-        if parts[:2] == ["eval", "benchmarks"] and len(parts) > 3 or key in PENDING_KEYS:
-            continue                                   # a benchmark set's own keys / #24's epoch unit
-        if parts[0] == "train" and len(parts) == 3:
-            continue                                   # a method's override, checked by the train stage
-        node = params
-        for p in parts:
-            assert isinstance(node, dict) and p in node, key
-            node = node[p]
+    assert unknown_keys(yaml.safe_load(text), params, allowed=PENDING_KEYS) == []
     train = yaml.safe_load(text)["train"][recipe]
     for line in text.splitlines():                     # each training value carries its source on its line
         key = line.strip().split(":")[0]
