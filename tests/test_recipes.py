@@ -101,14 +101,33 @@ def test_a_recipe_names_only_keys_params_yaml_has_and_cites_every_value(recipe):
             assert "#" in line, line
 
 
-def test_the_papers_numbers_name_models_and_metrics_of_their_recipe():
-    numbers = yaml.safe_load((ROOT / "recipes" / "paper_numbers.yaml").read_text())
-    assert set(numbers) == set(RECIPES)
-    for paper, entry in numbers.items():
-        assert set(entry["models"]) <= {paper, "base"}
-        for rows in entry["models"].values():
-            assert all(r["source"] and 0 <= r["value"] <= 100 for r in rows)
-            assert len({r["metric"] for r in rows}) == len(rows)
+def _metric_names(task: str) -> set[str]:
+    """The leaf names the evaluators write for a task (clipfinetune/eval/suite.py's output keys)."""
+    from clipfinetune.eval.compositionality import SUGARCREPE_TASKS
+    from clipfinetune.eval.long_retrieval import LONG_KS
+
+    both = lambda ks, fmt: {fmt.format(d, k) for d in ("i2t", "t2i") for k in ks}   # noqa: E731
+    return {"retrieval": both((1, 5, 10), "{}_r{}"), "long_retrieval": both(LONG_KS, "{}_r{}"),
+            "global_local": both(("",), "{}_map10{}"), "box_cls": {"top1", "top5", "macc1", "macc5"},
+            "sugarcrepe": set(SUGARCREPE_TASKS), "aro": {"vg_relation", "vg_attribution", "coco_order", "flickr_order"},
+            "valse": {"existence", "plurals", "counting-hard", "counting-small-quant", "counting-adversarial",
+                      "relations", "action-replacement", "actant-swap", "coreference-standard", "coreference-hard",
+                      "foil-it"}}[task]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_papers_numbers_name_metrics_their_recipe_evaluates(recipe):
+    entry = yaml.safe_load((ROOT / "recipes" / "paper_numbers.yaml").read_text())[recipe]
+    benchmarks = profile.merged([ROOT / "params.real.yaml", ROOT / "recipes" / f"{recipe}.yaml"])["eval"]["benchmarks"]
+    assert set(entry["models"]) <= {recipe, "base"}
+    for rows in entry["models"].values():
+        assert len({r["metric"] for r in rows}) == len(rows)
+        for r in rows:
+            parts = r["metric"].split(".")
+            task, name, leaf = parts[-3:]
+            assert r["source"] and 0 <= r["value"] <= 100, r
+            assert leaf in _metric_names(task), r["metric"]
+            assert benchmarks[task][name], f"{r['metric']}: set {task}.{name} is off in the recipe"
 
 
 # ------------------------------------------------------------------------------------------------- leakage
