@@ -106,7 +106,7 @@ def _metric_names(task: str) -> set[str]:
     from clipfinetune.eval.compositionality import SUGARCREPE_TASKS
     from clipfinetune.eval.long_retrieval import LONG_KS
 
-    both = lambda ks, fmt: {fmt.format(d, k) for d in ("i2t", "t2i") for k in ks}   # noqa: E731
+    both = lambda ks, fmt: {fmt.format(d, k) for d in ("i2t", "t2i") for k in ks}
     return {"retrieval": both((1, 5, 10), "{}_r{}"), "long_retrieval": both(LONG_KS, "{}_r{}"),
             "global_local": both(("",), "{}_map10{}"), "box_cls": {"top1", "top5", "macc1", "macc5"},
             "sugarcrepe": set(SUGARCREPE_TASKS), "aro": {"vg_relation", "vg_attribution", "coco_order", "flickr_order"},
