@@ -2,7 +2,8 @@
 data/shards/{train,val}-%06d.tar.
 
 Also writes data/shards/sizes.json (open_clip's {shard: count}) and data/shards/meta.json (counts, skips,
-the split rule). The whole directory is replaced atomically.
+the split rule). The whole directory is replaced atomically. Refuses to write anything when a training image is in
+a configured evaluation set (`clipfinetune.leakage`; content digests cached in data/cache/leakage).
 """
 from __future__ import annotations
 
@@ -11,19 +12,28 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import source_specs, start
 
+from clipfinetune import leakage
 from clipfinetune.data.prepare.shards import build_shards
 
 OUT = Path("data/shards")
 PREPARED = Path("data/prepared")
+LEAKAGE_CACHE = Path("data/cache/leakage")
 
 
 def main() -> None:
     _, params, log = start(__doc__, "shards")
+    sources = source_specs(params, params["shards.sources"])
+    train = leakage.training_images(sources, params["shards.splits"])
+    unreadable: dict = {}
+    overlaps, cost = leakage.find_overlaps(train, leakage.evaluation_sets(params["eval.benchmarks"], unreadable),
+                                           LEAKAGE_CACHE)
+    log.info("leakage check: %s; not compared (unreadable): %s", cost, unreadable or "none")
+    leakage.refuse(overlaps)
     prepared_from = {"word_regions": params["word_regions.source"], "negatives": params["negatives.source"],
                      "local_pairs": params["lism.source"], "sentences": params["sentences.sources"]}
-    meta = build_shards(OUT, prepared_dir=PREPARED, sources=source_specs(params, params["shards.sources"]),
-                        prepared_from=prepared_from, splits=params["shards.splits"],
-                        maxcount=params["shards.maxcount"], val_fraction=params["shards.val_fraction"])
+    meta = build_shards(OUT, prepared_dir=PREPARED, sources=sources, prepared_from=prepared_from,
+                        splits=params["shards.splits"], maxcount=params["shards.maxcount"],
+                        val_fraction=params["shards.val_fraction"])
     log.info("%d train / %d val samples in %d / %d shards (skipped: %d missing, %d corrupt images)",
              meta["samples_train"], meta["samples_val"], meta["shards"]["train"], meta["shards"]["val"],
              meta["images_skipped_missing"], meta["images_skipped_corrupt"])
