@@ -76,11 +76,13 @@ def coco_id_of(path: str | os.PathLike) -> int | None:
 
 
 # ---------------------------------------------------------------- training images
-def training_images(sources: dict, splits=None, unchecked: list | None = None) -> list[ImageRef]:
+def training_images(sources: dict, splits=None, unchecked: list | None = None, records: dict | None = None
+                    ) -> list[ImageRef]:
     """The training images of `sources` ({name: params `sources.<name>`}) whose split is in `splits` (the shards
-    stage's selection, `readers.in_splits`), read by their readers. COCO id: the coco reader's `image_id` (COCO's
-    `images[].id`); any other reader's only by COCO's file naming (Karpathy's COCO split: `COCO_<split>_<cocoid>.jpg`).
-    Sources whose images are not files (the `wds` reader's tars) are named in `unchecked`: not compared."""
+    stage's selection, `readers.in_splits`), read by their readers (or taken from `records`, {name: [Record]}, when
+    the caller has read them). COCO id: the coco reader's `image_id` (COCO's `images[].id`); any other reader's only
+    by COCO's file naming (Karpathy's COCO split: `COCO_<split>_<cocoid>.jpg`). Sources whose images are not files
+    (the `wds` reader's tars) are named in `unchecked`: not compared."""
     from clipfinetune.data.readers import in_splits, read_source
 
     out: list[ImageRef] = []
@@ -89,9 +91,10 @@ def training_images(sources: dict, splits=None, unchecked: list | None = None) -
             if unchecked is not None:
                 unchecked.append(name)
             continue
-        records = [r for r in read_source(name, spec) if in_splits(r, splits)]
+        source_records = records[name] if records is not None else read_source(name, spec)
         is_coco = spec.get("reader") == "coco"
-        out += [ImageRef(str(r.path), int(r.image_id) if is_coco else coco_id_of(r.image)) for r in records]
+        out += [ImageRef(str(r.path), int(r.image_id) if is_coco else coco_id_of(r.image))
+                for r in source_records if in_splits(r, splits)]
     return out
 
 

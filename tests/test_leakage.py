@@ -137,3 +137,13 @@ def test_the_selected_splits_and_excluded_coco_files_decide_what_is_trained_on(t
     assert leakage.training_images({"k": karpathy}, splits=["train"]) == []
     dropped = {**karpathy, "exclude": [str(tree / "captions_train2017.json")]}     # holds image 42
     assert [r.coco_id for r in leakage.training_images({"k": dropped})] == [73]
+
+
+def test_records_already_read_give_the_same_images_as_reading_the_sources(tree):
+    from clipfinetune.data.readers import read_sources
+
+    sources = {"coco": _coco(tree)}
+    records = read_sources(["coco"], sources)
+    records["coco"] = records["coco"][:1]                 # what was passed is what is compared
+    assert [r.coco_id for r in leakage.training_images(sources, records=records)] == [9]
+    assert sorted(r.coco_id for r in leakage.training_images(sources)) == [9, 42]
