@@ -1,7 +1,9 @@
 """Parameter profiles: a second params file (e.g. params.real.yaml) deep-merged into params.yaml.
 
-    python -m clipfinetune.profile apply params.real.yaml [--params params.yaml] [--dry-run]
-    python -m clipfinetune.profile set-args params.real.yaml      # the same as `dvc exp run -S` flags
+    python -m clipfinetune.profile apply params.real.yaml [recipes/degla.yaml ...] [--params params.yaml] [--dry-run]
+    python -m clipfinetune.profile set-args params.real.yaml [recipes/degla.yaml ...]   # as `dvc exp run -S` flags
+
+Several profiles are merged in the order given (a paper's recipe after the shared real-data base).
 
 A profile is a plain params file holding only the keys it changes, at the same paths as in params.yaml (never a
 block that shadows them). `apply` rewrites params.yaml in place, keeping its comments and key order: mappings
@@ -56,9 +58,21 @@ def flatten(d: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def apply(profile_path, params_path="params.yaml", dry_run: bool = False) -> list[str]:
-    params, overlay = load(params_path), load(profile_path)
-    changed = deep_merge(params, overlay)
+def _paths(profile_paths) -> list:
+    return [profile_paths] if isinstance(profile_paths, (str, Path)) else list(profile_paths)
+
+
+def merged(profile_paths) -> dict:
+    """Several profiles deep-merged in order (a later one wins)."""
+    out: dict = {}
+    for path in _paths(profile_paths):
+        deep_merge(out, load(path))
+    return out
+
+
+def apply(profile_paths, params_path="params.yaml", dry_run: bool = False) -> list[str]:
+    params = load(params_path)
+    changed = deep_merge(params, merged(profile_paths))     # the profiles first: a key a later one resets is no change
     if not dry_run:
         tmp = Path(str(params_path) + ".tmp")
         with open(tmp, "w") as f:
@@ -67,11 +81,11 @@ def apply(profile_path, params_path="params.yaml", dry_run: bool = False) -> lis
     return changed
 
 
-def set_args(profile_path) -> list[str]:
+def set_args(profile_paths) -> list[str]:
     """`-S key=value` pairs (Hydra override grammar, values as JSON) for `dvc exp run`; keys new to params.yaml
     need a leading `+`, which the caller adds (`dvc exp run` names such keys in its error)."""
     out = []
-    for key, value in flatten(load(profile_path)):
+    for key, value in flatten(merged(profile_paths)):
         out += ["-S", f"{key}={_hydra(value)}"]
     return out
 
@@ -100,11 +114,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m clipfinetune.profile", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("apply", help="deep-merge a profile into params.yaml (in place, comments kept)")
-    a.add_argument("profile")
+    a.add_argument("profile", nargs="+")
     a.add_argument("--params", default="params.yaml")
     a.add_argument("--dry-run", action="store_true", help="only list the keys that would change")
     s = sub.add_parser("set-args", help="print the profile as `dvc exp run -S` arguments")
-    s.add_argument("profile")
+    s.add_argument("profile", nargs="+")
     args = p.parse_args(argv)
     if args.cmd == "apply":
         changed = apply(args.profile, args.params, args.dry_run)

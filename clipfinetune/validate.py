@@ -4,7 +4,9 @@
 
 Names everything missing (one line each: the param key, what was expected, where) and exits 1 if anything is;
 notes (e.g. a CPU fallback in use, open_clip weights not cached yet) do not fail. Paths that a pipeline stage
-produces (outs in dvc.yaml, e.g. models/base, data/prepared/...) are not required to exist yet.
+produces (outs in dvc.yaml, e.g. models/base, data/prepared/...) are not required to exist yet. Training images that
+a configured evaluation set scores (same COCO id or same bytes, `clipfinetune.leakage`) are an error naming the
+set, the count and the first ids.
 
 `check(params, root)` is the library entry: it takes the params as a dict and reads no file on its own; only the
 command line reads the params file it is given.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FILE_SUFFIXES = (".json", ".jsonl", ".jsonlines", ".parquet", ".pt", ".pth", ".safetensors", ".bin", ".txt", ".tsv")
-DIR_KEYS = ("images", "dir", "dci", "urban1k", "coco_images", "docci_images", "coco_order_images")
+DIR_KEYS = ("images", "dir", "dci", "urban1k", "coco_order_images")
 # (param key, kind) of the single-path params; kind: file | dir | any
 PATH_PARAMS = [("lism.sentences", "file"), ("lism.segments", "file"), ("lism.ground_truth", "file")]
 SOURCE_DIR_KEYS = ("images", "root")     # the other path keys of a source (readers' PATHS) are files
@@ -193,7 +195,8 @@ def _benchmark_paths(task: str, name: str, cfg, prefix: str):
     yield prefix, cfg, kind
 
 
-def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None) -> list[Finding]:
+def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None,
+          leakage_check: bool = True) -> list[Finding]:
     root = Path(root)
     produced = produced_paths(root) if produced is None else produced
     found: list[Finding] = []
@@ -231,6 +234,56 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     report_set = _get(params, "eval.report.set")
     if report_set and report_set not in sets:
         found.append(Finding("eval.report.set", f"{report_set!r} names no configured benchmark set ({sorted(sets)})"))
+    if leakage_check:
+        found += check_leakage(params, root, produced)
+    return found
+
+
+def training_images(params: dict, unchecked: list | None = None) -> list:
+    """The images the shards stage trains on: the records of `shards.sources` in `shards.splits`
+    (`leakage.training_images`); sources whose images are not files are named in `unchecked`."""
+    from clipfinetune import leakage
+
+    defined = _get(params, "sources") or {}
+    names = _get(params, "shards.sources") or []
+    missing = [n for n in names if n not in defined]
+    if missing:
+        raise ValueError(f"shards.sources {missing} are not defined under `sources`")
+    return leakage.training_images({n: defined[n] for n in names}, _get(params, "shards.splits"), unchecked)
+
+
+def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding]:
+    """Training images that a configured evaluation set scores (clipfinetune.leakage); digests cached under
+    <root>/data/cache/leakage. A set whose files are missing is reported above and not compared."""
+    import contextlib
+
+    from clipfinetune import leakage
+    from clipfinetune.io import InputError
+
+    found, unchecked = [], []
+    with contextlib.chdir(root):        # params paths are relative to the project root
+        try:
+            train = training_images(params, unchecked)
+        except (InputError, OSError, KeyError, ValueError) as e:
+            return [Finding("leakage", f"training images not readable, leakage not checked: {e}")]
+        if unchecked:
+            found.append(Finding("leakage", f"sources {unchecked} hold their images in tables or tars: not compared "
+                                            "with the evaluation sets", missing=False))
+        unreadable: dict = {}
+        evals = leakage.evaluation_sets(_get(params, "eval.benchmarks"), unreadable)
+        for where, error in unreadable.items():
+            task, name = where.split(".", 1)
+            cfg = (_get(params, "eval.benchmarks") or {})[task][name]
+            if not any(_is_produced(str(v), produced) for _, v, _ in _benchmark_paths(task, name, cfg, "") if v):
+                found.append(Finding(f"eval.benchmarks.{where}", f"not compared with the training images: {error}",
+                                     missing=False))   # its missing files are named above
+        overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=Path("data/cache/leakage"))
+    for o in overlaps:
+        found.append(Finding(f"eval.benchmarks.{o.eval_set}", f"LEAKAGE {o}"))
+    found.append(Finding("leakage", f"{cost['train_images']} training images compared with {cost['eval_images']} "
+                                    f"images of {len(evals)} evaluation sets: {len(overlaps)} overlapping; "
+                                    f"{cost['files_hashed']} files hashed, {cost['digests_reused']} digests reused "
+                                    "(data/cache/leakage)", missing=False))
     return found
 
 

@@ -12,7 +12,7 @@ from _common import start
 
 from clipfinetune.eval.plots import write_plots
 from clipfinetune.eval.report import load_items, load_metrics, render_markdown, summarize
-from clipfinetune.io import atomic_path, write_json
+from clipfinetune.io import InputError, atomic_path, write_json
 
 
 def main() -> None:
@@ -20,8 +20,16 @@ def main() -> None:
     models = list(params["eval.models"])
     metrics = load_metrics({m: Path("metrics") / f"{m}.json" for m in models})
     items = load_items({m: Path("metrics") / "items" / f"{m}.parquet" for m in models})
+    paper, numbers_file, name = None, Path(params["eval.report.paper_numbers"]), params["eval.report.paper"]
+    if name:                            # a recipe names its paper: its own numbers beside ours
+        import yaml
+
+        numbers = yaml.safe_load(numbers_file.read_text()) or {}
+        if name not in numbers:
+            raise InputError(numbers_file, name, f"no such paper (papers: {sorted(numbers)})")
+        paper = numbers[name]
     summary = summarize(metrics, params["eval.report.set"], items, n_resamples=int(params["eval.report.resamples"]),
-                        seed=int(params["eval.report.seed"]))
+                        seed=int(params["eval.report.seed"]), paper=paper)
     plots = write_plots(summary, "reports")
     write_json("metrics/summary.json", summary)
     with atomic_path("reports/summary.md") as tmp:

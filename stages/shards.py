@@ -2,28 +2,42 @@
 data/shards/{train,val}-%06d.tar.
 
 Also writes data/shards/sizes.json (open_clip's {shard: count}) and data/shards/meta.json (counts, skips,
-the split rule). The whole directory is replaced atomically.
+the split rule). The whole directory is replaced atomically. Refuses to write anything when a training image is in
+a configured evaluation set (`clipfinetune.leakage`; content digests cached in data/cache/leakage).
 """
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import source_specs, start
 
+from clipfinetune import leakage
 from clipfinetune.data.prepare.shards import build_shards
+from clipfinetune.data.readers import read_sources
 
 OUT = Path("data/shards")
 PREPARED = Path("data/prepared")
+LEAKAGE_CACHE = Path("data/cache/leakage")
 
 
 def main() -> None:
     _, params, log = start(__doc__, "shards")
+    sources = source_specs(params, params["shards.sources"])
+    read_counts: Counter = Counter()
+    records = read_sources(list(sources), sources, read_counts)      # read once: the leakage check and the shards
+    train = leakage.training_images(sources, params["shards.splits"], records=records)
+    unreadable: dict = {}
+    overlaps, cost = leakage.find_overlaps(train, leakage.evaluation_sets(params["eval.benchmarks"], unreadable),
+                                           LEAKAGE_CACHE)
+    log.info("leakage check: %s; not compared (unreadable): %s", cost, unreadable or "none")
+    leakage.refuse(overlaps)
     prepared_from = {"word_regions": params["word_regions.source"], "negatives": params["negatives.source"],
                      "local_pairs": params["lism.source"], "sentences": params["sentences.sources"]}
-    meta = build_shards(OUT, prepared_dir=PREPARED, sources=source_specs(params, params["shards.sources"]),
-                        prepared_from=prepared_from, splits=params["shards.splits"],
-                        maxcount=params["shards.maxcount"], val_fraction=params["shards.val_fraction"])
+    meta = build_shards(OUT, prepared_dir=PREPARED, sources=sources, prepared_from=prepared_from,
+                        splits=params["shards.splits"], maxcount=params["shards.maxcount"],
+                        val_fraction=params["shards.val_fraction"], read=(records, read_counts))
     log.info("%d train / %d val samples in %d / %d shards (skipped: %d missing, %d corrupt images)",
              meta["samples_train"], meta["samples_val"], meta["shards"]["train"], meta["shards"]["val"],
              meta["images_skipped_missing"], meta["images_skipped_corrupt"])

@@ -24,6 +24,7 @@ def main() -> None:
     frame, meta = build_word_regions(load_json(instances_path), load_json(captions_path),
                                      lemmatizer=params["word_regions.lemmatizer"],
                                      instance_rule=params["word_regions.instance_rule"],
+                                     synonyms=params["word_regions.synonyms"],
                                      instances_path=instances_path, captions_path=captions_path)
     meta = {"instances_file": instances_path, "captions_file": captions_path, **meta}
     write_parquet(OUT, frame)

@@ -196,3 +196,22 @@ def test_load_json_reads_like_the_stdlib_reference(tmp_path):
         with pytest.raises(InputError) as ours:
             load_json(p)
         assert str(ours.value) == str(ref.value)
+
+
+def test_chair_synonyms_pair_man_with_person_and_bike_with_bicycle_only_when_asked():
+    """COCO's CHAIR synonym table (word_regions.synonyms: chair): a synonym of an annotated category is a mention."""
+    inst = {"images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 100}],
+            "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [0, 0, 50, 50], "area": 2500.0,
+                             "iscrowd": 0},
+                            {"id": 2, "image_id": 1, "category_id": 2, "bbox": [50, 50, 40, 40], "area": 1600.0,
+                             "iscrowd": 0}],
+            "categories": [{"id": 1, "name": "person"}, {"id": 2, "name": "bicycle"}, {"id": 3, "name": "dog"}]}
+    caps = {"images": inst["images"],
+            "annotations": [{"id": 10, "image_id": 1, "caption": "A man rides his bike past two puppies."}]}
+    plain, meta = build_word_regions(inst, caps)
+    assert plain.empty and meta["synonyms"] == "none"
+    frame, meta = build_word_regions(inst, caps, synonyms="chair")
+    assert frame[["word", "category"]].values.tolist() == [["man", "person"], ["bike", "bicycle"]]
+    assert meta["synonyms"] == "chair"                      # "puppies" -> dog is a synonym too, but no dog box
+    with pytest.raises(ValueError, match="synonyms must be one of"):
+        build_word_regions(inst, caps, synonyms="wordnet")

@@ -297,3 +297,17 @@ def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_match
     records = global_local.read_joint_list(joint, images)
     assert [r.image[0] for r in records if r.is_local] == \
         [str(images / f"{s}.jpg_results" / "original_image.jpg") for s in ("a", "b")]
+
+
+def test_retrieval_from_a_coco_captions_file_keeps_every_image_with_its_captions_in_file_order(tmp_path):
+    """HarmoCLIP's COCO val2017 retrieval set: `coco_captions: captions_val2017.json` + `images: val2017`."""
+    for i in (139, 285):
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{i:012d}.jpg")
+    (tmp_path / "captions_val2017.json").write_text(json.dumps({
+        "images": [{"id": 285, "file_name": "000000000285.jpg", "width": 8, "height": 8},
+                   {"id": 139, "file_name": "000000000139.jpg", "width": 8, "height": 8}],
+        "annotations": [{"id": 3, "image_id": 285, "caption": "a bear"}, {"id": 1, "image_id": 139, "caption": "a room"},
+                        {"id": 2, "image_id": 285, "caption": "  a  brown bear "}]}))
+    data = retrieval.load_retrieval_set({"coco_captions": str(tmp_path / "captions_val2017.json"), "images": str(tmp_path)})
+    assert [p.rsplit("/", 1)[-1] for p in data.images] == ["000000000139.jpg", "000000000285.jpg"]
+    assert data.captions == ["a room", "a bear", "a brown bear"] and data.caption_image == [0, 1, 1]

@@ -155,3 +155,28 @@ def test_other_zeroshot_sets_join_the_headline():
     s = report.summarize({"base": m}, "sample", {"base": t})
     assert s["headline"]["base"]["zs_shape_acc1"] == 91.0
     assert "zs_shape_acc1" in report.render_markdown(s)
+
+
+def test_the_papers_numbers_stand_beside_ours_with_the_gap():
+    """A recipe's paper (recipes/paper_numbers.yaml shape): per metric the paper's value, ours and ours - paper."""
+    paper = {"paper": "DeGLA, ViT-B/32", "not_listed": "VALSE counting",
+             "models": {"degla": [{"metric": "compositionality.aro.real.vg_relation", "value": 81.6,
+                                   "source": "Table 4, row DeGLA, Relation"},
+                                  {"metric": "compositionality.valse.real.existence", "value": 82.4,
+                                   "source": "Table 2, row DeGLA, Existence"}],
+                        "base": [{"metric": "compositionality.aro.real.vg_relation", "value": 59.2,
+                                  "source": "Table 4, row CLIP, Relation"}]}}
+    models = {"base": {"compositionality": {"aro": {"real": {"vg_relation": 60.0}}}},
+              "degla": {"compositionality": {"aro": {"real": {"vg_relation": 79.1}}}}}
+    summary = report.summarize(models, "real", paper=paper)
+    rows = {(r["model"], r["metric"].rsplit(".", 1)[-1]): r for r in summary["paper"]["rows"]}
+    assert rows[("degla", "vg_relation")]["gap"] == pytest.approx(79.1 - 81.6)
+    assert rows[("base", "vg_relation")]["gap"] == pytest.approx(60.0 - 59.2)
+    assert rows[("degla", "existence")]["ours"] is None and rows[("degla", "existence")]["gap"] is None
+    md = report.render_markdown(summary)
+    assert "## The paper's numbers beside ours: DeGLA, ViT-B/32" in md
+    assert "| degla | compositionality.aro.real.vg_relation | 81.6 | 79.1 | -2.5 | Table 4, row DeGLA, Relation |" in md
+    assert "| degla | compositionality.valse.real.existence | 82.4 | – | – |" in md
+    assert "Not listed: VALSE counting" in md
+    assert "-2.5" in report.render_text(summary)
+    assert "paper" not in report.summarize(models, "real")          # no recipe paper: no section

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from fixtures import real_tree
 from fixtures.llm import openai_server
+from fixtures.profiles import unknown_keys
 
 from clipfinetune import profile, validate
 
@@ -19,38 +20,28 @@ def test_the_real_profile_only_names_keys_params_yaml_has_or_new_benchmark_sets(
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     real = yaml.safe_load(REAL.read_text())
     assert set(real) <= set(params)                       # no block shadowing the top-level keys
-    for key, _ in profile.flatten(real):
-        parts = key.split(".")
-        if parts[:2] == ["eval", "benchmarks"] and len(parts) > 3:
-            assert parts[2] in params["eval"]["benchmarks"], key      # a new set of a known benchmark
-            continue
-        if parts[0] == "train" and len(parts) == 3:
-            continue                                      # a method's override, checked by the train stage
-        node = params
-        for p in parts:
-            assert isinstance(node, dict) and p in node, key
-            node = node[p]
-
+    assert unknown_keys(real, params) == []
 
 def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tmp_path):
     from dvc.utils.hydra import apply_overrides
 
     params = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params)
-    changed = profile.apply(REAL, params)
+    changed = profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params)     # the base, then a recipe
     text = params.read_text()
     assert "# the embedded sample world" in text and "# FSC-CLIP (eq. 11)" in text
     merged = yaml.safe_load(text)
     assert merged["model"]["name"] == "ViT-B-16" and merged["model"]["pretrained"] == "openai"
-    assert merged["train"]["goal"]["wd"] == 0.05 and merged["train"]["mulclip"]["new_module_lr"] == 2e-4
     mulclip = merged["train"]["mulclip"]                                   # MulCLIP §4.1 "Training setting"
     assert (mulclip["epochs"], mulclip["wd"], mulclip["warmup"], mulclip["lr"]) == (8, 0.05, 200, 1e-5)
-    assert merged["loss"]["lexeme_projection_grad"] is False               # HarmoCLIP eqs. 3-4
+    assert mulclip["new_module_lr"] == 2e-4 and merged["train"]["lr"] == 5e-6    # the base's shared value stays
     assert merged["eval"]["benchmarks"]["retrieval"]["real"]["karpathy"].endswith("dataset_coco.json")
+    assert merged["eval"]["benchmarks"]["long_retrieval"]["real"]["splits"] == ["test", "qual_test"]
+    assert merged["eval"]["benchmarks"]["box_cls"]["real"] == {}            # a recipe turns a set off
     assert merged["eval"]["benchmarks"]["retrieval"]["sample"]             # the sample sets are kept
     assert merged["sample"] == yaml.safe_load((ROOT / "params.yaml").read_text())["sample"]
     assert "model.name" in changed and "loss.lambda_l" not in changed       # same value: not a change
-    assert profile.apply(REAL, params) == []                                # idempotent
+    assert profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params) == []      # idempotent
     apply_overrides(str(params), ["loss.lambda_l=0.2"])                      # what `dvc exp run -S` does
     assert yaml.safe_load(params.read_text())["loss"]["lambda_l"] == 0.2
 
@@ -59,8 +50,10 @@ def test_set_args_lists_every_leaf_as_an_override():
     args = profile.set_args(REAL)
     pairs = dict(a.split("=", 1) for a in args[1::2])
     assert set(args[0::2]) == {"-S"}
-    assert pairs["model.name"] == "ViT-B-16" and pairs["train.goal.wd"] == "0.05"
+    assert pairs["model.name"] == "ViT-B-16" and pairs["shards.val_fraction"] == "0.0"
     assert pairs["lism.ground_truth"] == '""'
+    pairs = dict(a.split("=", 1) for a in profile.set_args([REAL, ROOT / "recipes" / "goal.yaml"])[1::2])
+    assert pairs["train.goal.wd"] == "0.05" and pairs["model.name"] == "ViT-B-16"      # the recipe over the base
 
 
 # ------------------------------------------------------------------------------------- a miniature real tree

@@ -113,6 +113,27 @@ def test_no_weight_decay_on_norms_biases_1d_params_and_logit_scale():
     assert wd_of[id(model.clip.logit_scale)] == 0.0
 
 
+def test_a_method_without_open_clips_conventions_decays_every_parameter_and_keeps_its_logit_scale():
+    """GOAL's code: AdamW(model.parameters(), wd) with no exclusions, and no clamp of logit_scale (METHODS.md 3.2)."""
+    from clipfinetune.methods.goal import GoalMethod
+
+    assert GoalMethod.weight_decay_exclusions is False and GoalMethod.clamp_logit_scale is False
+
+    class GoalConventions(ClipMethod):
+        weight_decay_exclusions = False
+        clamp_logit_scale = False
+
+    model = TinyClipModel()
+    with torch.no_grad():
+        model.clip.logit_scale.fill_(8.0)
+    trainer = trainer_for(model=model, method=GoalConventions(), wd=0.2)
+    assert {g["name"] for g in trainer.optimizer.param_groups} == {"default"}
+    assert all(g["weight_decay"] == 0.2 for g in trainer.optimizer.param_groups)
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == sum(1 for _ in model.parameters())
+    trainer.train_step([fixed_batch(8)])
+    assert model.clip.logit_scale.item() > math.log(100)        # stepped from 8.0, never clamped to 4.6
+
+
 def test_method_param_groups_get_their_own_learning_rate():
     class NewModules(ClipMethod):
         def param_groups(self, module):

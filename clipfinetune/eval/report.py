@@ -204,9 +204,23 @@ def claims(models: dict, s: str = "sample", items: dict | None = None, n_resampl
             for method, cs in claim_specs(s).items()}
 
 
+def paper_rows(paper: dict, models: dict[str, dict | None]) -> dict:
+    """A paper's own numbers beside ours: `paper` is one entry of recipes/paper_numbers.yaml ({paper, models: {model:
+    [{metric, value, source}]}, not_listed}); per listed metric: the paper's value, ours (None if not evaluated) and
+    the gap ours - paper in points."""
+    rows = []
+    for model, entries in (paper.get("models") or {}).items():
+        for e in entries:
+            ours = get(models.get(model), e["metric"])
+            rows.append({"model": model, "metric": e["metric"], "paper": float(e["value"]), "ours": ours,
+                         "gap": None if ours is None else ours - float(e["value"]), "source": e["source"]})
+    return {"paper": paper.get("paper", ""), "not_listed": paper.get("not_listed", ""), "rows": rows}
+
+
 def summarize(models: dict[str, dict | None], s: str = "sample", items: dict | None = None,
-              n_resamples: int = RESAMPLES, seed: int = 0) -> dict:
-    """models: {model: metrics dict | None}; items: {model: per-item table | None} (no items: no CIs)."""
+              n_resamples: int = RESAMPLES, seed: int = 0, paper: dict | None = None) -> dict:
+    """models: {model: metrics dict | None}; items: {model: per-item table | None} (no items: no CIs); paper: one
+    entry of recipes/paper_numbers.yaml, shown beside ours (`paper_rows`), or None."""
     keys = {**headline_keys(s), **extra_zeroshot_keys(models, s)}
     present = {m: v for m, v in models.items() if v is not None}
     table = {m: {lbl: get(v, k) for lbl, k in keys.items()} for m, v in present.items()}
@@ -220,7 +234,8 @@ def summarize(models: dict[str, dict | None], s: str = "sample", items: dict | N
             "missing_models": sorted(m for m, v in models.items() if v is None),
             "missing_items": sorted(m for m in present if (items or {}).get(m) is None),
             "bootstrap": {"n_resamples": n_resamples, "seed": seed, "level": LEVEL},
-            "claims": claims(models, s, items, n_resamples, seed)}
+            "claims": claims(models, s, items, n_resamples, seed),
+            **({"paper": paper_rows(paper, models)} if paper else {})}
 
 
 def _fmt(v, signed=False):
@@ -266,9 +281,23 @@ def render_markdown(summary: dict, plots: list[str] = ()) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in claim_rows(summary)]
     boot = summary.get("bootstrap", {"level": LEVEL, "n_resamples": RESAMPLES})
     lines += ["", VERDICT_NOTE.format(level=100 * boot["level"], n=boot["n_resamples"])]
+    if summary.get("paper"):
+        p = summary["paper"]
+        lines += ["", f"## The paper's numbers beside ours: {p['paper']}", "",
+                  "Gap = ours - paper, points. – = not evaluated here.", "",
+                  "| model | metric | paper | ours | gap | source |", "|---|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(r) + " |" for r in paper_table(p)]
+        if p.get("not_listed"):
+            lines += ["", f"Not listed: {p['not_listed']}"]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def paper_table(paper: dict) -> list[list[str]]:
+    """model, metric, paper, ours, gap, source per row of `paper_rows` (strings)."""
+    return [[r["model"], r["metric"], _fmt(r["paper"]), _fmt(r["ours"]), _fmt(r["gap"], True), r["source"]]
+            for r in paper["rows"]]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -286,8 +315,12 @@ def render_text(summary: dict) -> str:
     claim = _table(["method", "claim", "rule", "value", "baseline", "diff", "95% CI", "verdict"], claim_rows(summary))
     counts = {v: sum(r[-1] == v for r in claim_rows(summary)) for v in VERDICTS}
     tally = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    paper = []
+    if summary.get("paper"):
+        paper = ["", f"The paper's numbers beside ours ({summary['paper']['paper']}; gap = ours - paper)", ""] + \
+            _table(["model", "metric", "paper", "ours", "gap", "source"], paper_table(summary["paper"]))
     return "\n".join([f"Evaluation summary, set '{summary['set']}' (percent; details: reports/summary.md)", ""]
-                      + head + ["", f"Claims ({tally})", ""] + claim) + "\n"
+                      + head + ["", f"Claims ({tally})", ""] + claim + paper) + "\n"
 
 
 if __name__ == "__main__":      # python -m clipfinetune.eval.report [metrics/summary.json]

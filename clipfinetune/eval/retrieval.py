@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clipfinetune.data.readers import karpathy
+from clipfinetune.data.readers import coco, karpathy
 from clipfinetune.eval.encode import Encoder, resolve_image
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import negatives_ahead
@@ -86,19 +86,31 @@ def read_flickr_token(path, images_root, names=None) -> RetrievalSet:
     return out
 
 
+def read_coco_captions(path, images_root) -> RetrievalSet:
+    """A COCO captions file (e.g. `captions_val2017.json`, HarmoCLIP's retrieval set), read by `readers.coco`: its
+    images with captions, by id, captions in file order (the reader's caption_index); image = images_root/file_name."""
+    out = RetrievalSet([])
+    for r in coco.read(path, images_root or ""):
+        out.add(resolve_image(r.image, images_root, r.image_id), list(r.captions))
+    return out
+
+
 def load_retrieval_set(cfg: dict) -> RetrievalSet:
     """One benchmark entry of `eval.benchmarks.retrieval.<set>`: exactly one of
-    `karpathy` | `blip` | `flickr_txt` | `flickr_token`, plus `images` (and optional `split`)."""
+    `karpathy` | `coco_captions` | `blip` | `flickr_txt` | `flickr_token`, plus `images` (and optional `split`)."""
     root = cfg.get("images")
     if cfg.get("karpathy"):
         return read_karpathy(cfg["karpathy"], root, cfg.get("split", "test"))
+    if cfg.get("coco_captions"):
+        return read_coco_captions(cfg["coco_captions"], root)
     if cfg.get("blip"):
         return read_blip_list(cfg["blip"], root)
     if cfg.get("flickr_txt"):
         return read_flickr_txt(cfg["flickr_txt"], root)
     if cfg.get("flickr_token"):
         return read_flickr_token(cfg["flickr_token"], root)
-    raise ValueError(f"retrieval benchmark needs one of karpathy|blip|flickr_txt|flickr_token, got {sorted(cfg)}")
+    raise ValueError(f"retrieval benchmark needs one of karpathy|coco_captions|blip|flickr_txt|flickr_token, "
+                     f"got {sorted(cfg)}")
 
 
 def retrieval_ranks(image_emb, text_emb, caption_image) -> tuple[np.ndarray, np.ndarray]:

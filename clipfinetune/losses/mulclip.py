@@ -50,7 +50,8 @@ Features dict expected by `MulClipLoss.forward` (B per-rank batch, P patches, L 
     patches      [B, P, D] v_loc, projected patch tokens (image_features(x)["patches"])
     text_tokens  [B, L, D] projected long-caption token states (text_features(tok)["tokens"])
     text_mask    [B, L]    bool, keeps EOT, drops SOT and padding (text_features(tok)["mask"])
-    sub_text     [B, S, D] t_eot,i^sub, sub-caption (sentence) embeddings (normalised; placeholders finite)
+    sub_text     [B, S, D] t_eot,i^sub, sub-caption (sentence) embeddings, raw projected as eq. (9)'s attention
+                           queries them (the contrasts normalise); placeholders finite
     sub_valid    [B, S]    bool, sentence i exists
 
 Returned terms (already weighted): `contrastive` (image vs long caption), `contrastive_short` (x lambda_short),

@@ -20,6 +20,11 @@ from torch import nn
 
 
 class Method:
+    # open_clip's optimiser conventions the forks inherit (METHODS.md 0.3): no weight decay on gains, biases and
+    # logit_scale, and logit_scale clamped to [0, ln 100] after each step; a method whose paper's code does
+    # neither (GOAL) turns them off
+    weight_decay_exclusions: bool = True
+    clamp_logit_scale: bool = True
     name: str = ""
     # the loss's term names -> the constructor weight that switches the term on (None: always computed); `custom`
     # mixes terms by these names ("<method>.<term>")

@@ -113,6 +113,10 @@ class GoalMethod(Method):
         "contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
         "tsl_text": "lambda_tsl"}
     epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
+    # goal_loss_finetuning.py: AdamW(model.parameters(), lr, weight_decay=0.05), no param groups, and no clamp of
+    # logit_scale in the loop (METHODS.md 3.2, 3.4 item 6, 6.8)
+    weight_decay_exclusions = False
+    clamp_logit_scale = False
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):

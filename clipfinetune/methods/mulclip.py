@@ -67,7 +67,9 @@ class MulClipModule(nn.Module):
         image = model.image_features(batch["image"])
         sub_tokens, sub_valid = batch["sub_text"], batch["sub_valid"].bool()
         text = model.text_features(long_text)
-        encoded = model.encode_text(sub_tokens[sub_valid], normalize=True)     # trimmed to the longest SENTENCE
+        # eq. (9) queries the patches with the raw sentence embeddings t_sub,i (every contrast normalises its own
+        # inputs, so only the attention sees the norm); trimmed to the longest SENTENCE
+        encoded = model.encode_text(sub_tokens[sub_valid], normalize=False)
         sub = encoded.new_zeros(*sub_valid.shape, encoded.shape[1])
         sub[sub_valid] = encoded
         pad = LONG_CONTEXT - text["tokens"].shape[1]              # trimmed -> the calibration's 248 slots

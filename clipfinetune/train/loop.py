@@ -17,7 +17,8 @@ it never changes this loop. What the loop decides:
 - After the backward: global grad norm (clipped if `grad_clip > 0`); every term and the grad norm are averaged
   over ranks in one all-reduce; a non-finite value stops training BEFORE the optimiser step with
   `NonFiniteLossError` (naming the step and the term), so the last checkpoint stays the last good one.
-- Then AdamW step, schedule step, logit scale(s) clamped to [0, ln 100] (open_clip), `method.after_step`.
+- Then AdamW step, schedule step, logit scale(s) clamped to [0, ln 100] (open_clip; not for a method with
+  `clamp_logit_scale = False`, GOAL), `method.after_step`.
 - Checkpoints every `checkpoint_every` optimiser steps and at the end (`checkpoints/<run>/last.pt`, atomic). On
   start, a checkpoint with the same fingerprint is resumed (bit-exact on CPU); a different one is ignored (and
   overwritten by the first new checkpoint); an unreadable one is a clear error naming the file.
@@ -72,7 +73,8 @@ class Trainer:
             raise ValueError(f"{desc}: the data gives {len(source)} micro-batches per epoch on this rank, fewer "
                              f"than accum_steps={cfg.accum_steps}: nothing to train on")
         self.total_steps = cfg.epochs * self.steps_per_epoch
-        groups = parameter_groups(self.module, cfg.lr, cfg.wd, method.param_groups(self.module))
+        groups = parameter_groups(self.module, cfg.lr, cfg.wd, method.param_groups(self.module),
+                                  exclusions=method.weight_decay_exclusions)
         self.params = [p for g in groups for p in g["params"]]
         # parameters the loss uses directly (e.g. MulCLIP's heads): their gradient is taken in ONE accumulation pass
         in_loss = {id(p) for p in self.loss_fn.parameters()}
@@ -139,7 +141,8 @@ class Trainer:
         lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
         self.optimizer.step()
         self.scheduler.step()
-        self._clamp_logit_scales()
+        if self.method.clamp_logit_scale:
+            self._clamp_logit_scales()
         self.method.after_step(self.module)
         self.step += 1
         scalars = {"loss": total, **{f"loss_{n}": v for n, v in zip(names, values)}, "grad_norm": values[-1],

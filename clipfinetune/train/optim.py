@@ -18,8 +18,10 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
-def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list[dict] = ()) -> list[dict]:
+def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list[dict] = (),
+                     exclusions: bool = True) -> list[dict]:
     """Optimiser groups: [default decay, default no-decay, then each extra group split the same way].
+    `exclusions=False`: every parameter decays (GOAL's `AdamW(model.parameters(), ...)`), no no-decay groups.
 
     `extra_groups`: dicts with `params` (tensors of `module`), `lr`, optional `name` and `weight_decay`.
     Each returned group has a `name` (kept in the optimiser state, logged as `lr_<name>`).
@@ -40,8 +42,8 @@ def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list
 
     groups = []
     for name, params, group_lr, group_wd in [("default", default, lr, wd)] + requested:
-        decay = [p for p in params if not no_weight_decay(names[id(p)], p)]
-        keep = [p for p in params if no_weight_decay(names[id(p)], p)]
+        keep = [p for p in params if exclusions and no_weight_decay(names[id(p)], p)]
+        decay = [p for p in params if not (exclusions and no_weight_decay(names[id(p)], p))]
         if decay:
             groups.append({"name": name, "params": decay, "lr": group_lr, "weight_decay": group_wd})
         if keep:

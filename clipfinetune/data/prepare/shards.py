@@ -228,17 +228,22 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
 
 
 def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike, sources: dict[str, dict],
-                 prepared_from: dict, splits, maxcount: int, val_fraction: float) -> dict:
+                 prepared_from: dict, splits, maxcount: int, val_fraction: float, read: tuple | None = None) -> dict:
     """The `shards` stage: every record of `sources` ({name: params `sources.<name>`}) whose split is in `splits`
     (records without a split always), with the prepared annotations of its source; the whole `out_dir` (tars,
-    sizes.json, meta.json) replaced atomically; returns meta."""
+    sizes.json, meta.json) replaced atomically; returns meta. `read` = (`read_sources`' {name: records}, its skip
+    Counter) when the caller has already read the sources (the stage's leakage check)."""
     from clipfinetune.data.readers import in_splits, read_sources
     from clipfinetune.io import atomic_path, write_json
 
     notes = Annotations(prepared_dir, prepared_from, sources)
     counts: Counter = Counter()
+    if read is None:
+        read = read_sources(list(sources), sources, counts), Counter()
+    by_source, read_counts = read
+    counts.update(read_counts)
     records, long_sources = [], set()
-    for name, source_records in read_sources(list(sources), sources, counts).items():
+    for name, source_records in by_source.items():
         for record in source_records:
             if not record.captions:
                 long_sources.add(name)

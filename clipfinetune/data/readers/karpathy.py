@@ -1,6 +1,12 @@
 """Karpathy split reader (`dataset_coco.json` / `dataset_flickr30k.json`): images[] with split (`splits` selects;
-default all), filepath (absent for Flickr30k), filename, imgid, sentences[].raw. The captions are the raw sentences,
-in file order."""
+default all), filepath (absent for Flickr30k), filename, imgid, cocoid (COCO's file only), sentences[].raw. The
+captions are the raw sentences, in file order.
+
+`image_id` is the COCO image id (`cocoid`) when the file carries one, so a Karpathy COCO record and the coco
+reader's record of the same picture share an id (Karpathy's own `imgid` is a position in its file, no COCO id);
+Flickr30k's file has no cocoid: `imgid`. `exclude` lists COCO files (instances or captions, read by the coco reader)
+whose image ids are left out, counted as `karpathy_excluded` (e.g. val2017's images, which restval holds).
+"""
 from __future__ import annotations
 
 import json
@@ -8,11 +14,19 @@ from pathlib import Path
 
 from clipfinetune.io import InputError, decode_utf8
 
-KEYS = ("file", "images", "splits")
+KEYS = ("file", "images", "splits", "exclude")
 PATHS = ("file", "images")
 
 
-def read(file, images=None, splits=None, source: str = "karpathy", counts=None):
+def excluded_ids(files) -> set[str]:
+    """The image ids of COCO files (`images[].id`, as strings)."""
+    from clipfinetune.data.readers import coco
+
+    files = [files] if isinstance(files, str) else files or []
+    return {str(i) for f in files for i in coco.images_by_id(coco.load_json(f), f)}
+
+
+def read(file, images=None, splits=None, exclude=None, source: str = "karpathy", counts=None):
     from clipfinetune.data.readers import Record
 
     path = Path(file)
@@ -23,11 +37,17 @@ def read(file, images=None, splits=None, source: str = "karpathy", counts=None):
     except json.JSONDecodeError as e:
         raise InputError(path, None, f"not valid JSON: {e}") from e
     splits = [splits] if isinstance(splits, str) else splits
+    skip = excluded_ids(exclude)
     out = []
     for rec in data["images"]:
         if splits is not None and rec.get("split") not in splits:
             continue
-        out.append(Record(source=source, image_id=str(rec.get("imgid", rec.get("cocoid", len(out)))),
+        image_id = str(rec["cocoid"] if "cocoid" in rec else rec.get("imgid", len(out)))
+        if image_id in skip:
+            if counts is not None:
+                counts["karpathy_excluded"] += 1
+            continue
+        out.append(Record(source=source, image_id=image_id,
                           image=str(Path(rec.get("filepath", "")) / rec["filename"]),
                           images_root=Path(images) if images else None, split=str(rec.get("split", "")),
                           captions=tuple(s["raw"] for s in rec["sentences"]), origin=str(path)))
