@@ -55,8 +55,8 @@ def sam_project(tmp_path_factory):
                         "description": "Shapes on grey."})
     docci = repo / "docci_real" / "descriptions.jsonlines"
     docci.write_text("".join(json.dumps(r) + "\n" for r in records))
-    write_params(repo, {"segments": {"docci": str(docci), "images": str(images), "sam_checkpoint": str(checkpoint),
-                                     "sam_type": "vit_b"}})
+    write_params(repo, {"sources": {"docci": {"reader": "docci", "descriptions": str(docci), "images": str(images)}},
+                        "segments": {"source": "docci", "sam_checkpoint": str(checkpoint), "sam_type": "vit_b"}})
     return repo, sam, checkpoint
 
 
