@@ -233,10 +233,17 @@ class RecordingProxy:
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
-    def settle(self, timeout_s: float = 120) -> None:
-        """Wait until no request is in flight (a killed client's requests still complete here)."""
+    def settle(self, timeout_s: float = 120, quiet_s: float = 3.0) -> None:
+        """Wait until no request is in flight and none has started or ended for `quiet_s` (a killed client's
+        requests still complete here; one accepted but not yet in `do_POST` under load shows up only later)."""
         deadline = time.monotonic() + timeout_s
-        while self.in_flight:
+        seen, quiet_since = None, time.monotonic()
+        while True:
+            now_state = (self.in_flight, len(self.exchanges))
+            if now_state != seen:
+                seen, quiet_since = now_state, time.monotonic()
+            elif not self.in_flight and time.monotonic() - quiet_since >= quiet_s:
+                return
             assert time.monotonic() < deadline, f"{self.in_flight} requests still in flight after {timeout_s} s"
             time.sleep(0.05)
 
