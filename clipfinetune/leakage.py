@@ -124,10 +124,8 @@ def evaluation_images(task: str, cfg: dict) -> list[str]:
         out = []
         if cfg.get("dir"):
             images = cfg.get("images") or str(Path(cfg["dir"]) / "images")
-            for name in ("visual_genome_relation", "visual_genome_attribution"):
-                f = Path(cfg["dir"]) / f"{name}.json"
-                if f.is_file():
-                    out += [p for p, _ in comp._vg_cases(f, images)[1]]
+            for _, keys in comp.read_vg(cfg["dir"], images).values():
+                out += [p for p, _ in keys]
         for name in ("coco_order", "flickr_order"):
             if cfg.get(name):
                 out += retrieval.read_blip_list(cfg[name], cfg.get(f"{name}_images")).images

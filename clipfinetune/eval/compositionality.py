@@ -119,6 +119,13 @@ def macro_accuracy(correct, groups, exclude=frozenset(), min_count: int = 1):
     return (100.0 * float(np.mean(accs)) if accs else None), len(accs)
 
 
+def read_vg(directory, images_root) -> dict[str, tuple]:
+    """{"vg_relation" | "vg_attribution": `_vg_cases` of that ARO file} for the files present in `directory`."""
+    files = {"vg_relation": "visual_genome_relation.json", "vg_attribution": "visual_genome_attribution.json"}
+    return {part: _vg_cases(Path(directory) / name, images_root) for part, name in files.items()
+            if (Path(directory) / name).is_file()}
+
+
 def evaluate_vg(encoder: Encoder, directory, images_root, vga_min_count: int = VGA_MIN_COUNT,
                 items: list | None = None) -> dict:
     """VG-R: per-relation accuracy, mean over non-symmetric relations. VG-A: per attribute pair
@@ -126,17 +133,17 @@ def evaluate_vg(encoder: Encoder, directory, images_root, vga_min_count: int = V
     Items: parts vg_relation / vg_attribution (id = index in the file), labelled with the macro group
     ("" for a case outside the macro average: symmetric relation, rare attribute pair)."""
     out = {}
-    rel_f, att_f = Path(directory) / "visual_genome_relation.json", Path(directory) / "visual_genome_attribution.json"
-    if rel_f.is_file():
-        recs, keys = _vg_cases(rel_f, images_root)
+    cases = read_vg(directory, images_root)
+    if "vg_relation" in cases:
+        recs, keys = cases["vg_relation"]
         ok = vg_correct(encoder, recs, keys)
         groups = [r["relation_name"] for r in recs]
         record(items, Items("vg_relation", "correct", [f"{i:06d}" for i in range(len(recs))], ok,
                             macro_groups(groups, ARO_SYMMETRIC_RELATIONS)))
         out["vg_relation"], out["n_vg_relation_groups"] = macro_accuracy(ok, groups, exclude=ARO_SYMMETRIC_RELATIONS)
         out["vg_relation_micro"] = 100.0 * float(ok.mean())
-    if att_f.is_file():
-        recs, keys = _vg_cases(att_f, images_root)
+    if "vg_attribution" in cases:
+        recs, keys = cases["vg_attribution"]
         ok = vg_correct(encoder, recs, keys)
         groups = [f"{r['attributes'][0]}_{r['attributes'][1]}" for r in recs]
         record(items, Items("vg_attribution", "correct", [f"{i:06d}" for i in range(len(recs))], ok,
