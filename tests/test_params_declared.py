@@ -65,13 +65,14 @@ def declared(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def _train_runs():
-    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
-    return dvc["stages"]["train"]["foreach"]
+    """params.yaml `runs` (dvc.yaml: `train: foreach: ${runs}`)."""
+    return PARAMS["runs"]
 
 
 def test_dvc_expands_every_stage(declared):
     assert {s for s in declared if s.startswith("train@")} == {f"train@{r}" for r in _train_runs()}
     assert {s for s in declared if s.startswith("eval@")} == {f"eval@{m}" for m in PARAMS["eval"]["models"]}
+    assert {s for s in declared if "@" not in s} >= {"benchmarks", "report"}
 
 
 def test_every_declared_key_exists_in_params_yaml(declared):
