@@ -16,6 +16,7 @@ from fixtures.eval.fakes import write_image
 from fixtures.project import RAN, TINY, copy_project, run, write_params
 
 from clipfinetune import leakage, profile
+from clipfinetune.eval.items import METRICS_KEY
 from clipfinetune.eval.suite import benchmark_files, benchmark_manifest, read_set
 from clipfinetune.io import InputError
 
@@ -149,9 +150,11 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     assert {"benchmarks", "eval@base"} <= set(first)
     metrics = json.loads((repo / "metrics" / "base.json").read_text())
     assert "ext" in metrics["retrieval"]
-    import pyarrow.parquet as pq                                  # the items file carries the metrics file (report)
+    import pyarrow.parquet as pq
+
+    # the items file carries the metrics file: `report` depends on metrics/items alone
     meta = pq.read_schema(repo / "metrics" / "items" / "base.parquet").metadata
-    assert meta[b"metrics.json"].decode() == (repo / "metrics" / "base.json").read_text()
+    assert meta[METRICS_KEY.encode()].decode() == (repo / "metrics" / "base.json").read_text()
 
     # unchanged: the manifest is re-listed, nothing else runs
     assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks"]

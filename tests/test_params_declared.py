@@ -13,7 +13,8 @@ Dict-valued declarations allowed (each is ONE setting that one stage family read
   - `sources` (stage `shards` only): whichever sources `shards.sources` names, so training on a new source is a
                           params.yaml edit; a change to a source shards does not list re-runs shards alone, whose
                           byte-identical output leaves every train@ run untouched;
-  - `eval.benchmarks`     the benchmark configuration: every eval@<model> reads all of it, and a change to any
+  - `eval.benchmarks`     the benchmark configuration: stage `benchmarks` (which lists its files) and every
+                          eval@<model> read all of it, and a change to any
                           benchmark path must re-run every eval anyway, so key-by-key declarations would re-run
                           nothing less and would make adding a benchmark set a dvc.yaml edit.
 """
