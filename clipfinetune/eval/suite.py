@@ -9,6 +9,8 @@ benchmark whose files are missing is an error naming the file. Output keys (perc
   compositionality.sugarcrepe.<set>.{<7 tasks>,mean}   compositionality.aro.<set>.{vg_relation,vg_attribution,coco_order}
   compositionality.valse.<set>.{<piece>,mean}          compositionality.winoground.<set>.{text,image,group}
   zeroshot.<set>.{acc1,acc5,mean_per_class}
+Reading a set is `read_set` (task -> its reader), shared with the leakage check; `benchmark_files` and
+`benchmark_manifest` list what each set reads for stage `benchmarks`, on which every eval@<model> depends.
 """
 from __future__ import annotations
 
