@@ -95,13 +95,13 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def write_parquet(path: str | os.PathLike, frame) -> None:
-    """Deterministic parquet (no pandas index, fixed writer) written atomically."""
+def write_parquet(path: str | os.PathLike, frame, metadata: dict[str, str] | None = None) -> None:
+    """Deterministic parquet (no pandas index, fixed writer) written atomically; `metadata`: the schema's key-values."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = frame if isinstance(frame, pa.Table) else pa.Table.from_pandas(frame, preserve_index=False)
-    table = table.replace_schema_metadata(None)
+    table = table.replace_schema_metadata(metadata)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 

@@ -13,8 +13,8 @@ Two tests, per configured evaluation set:
   hashes nothing. A re-encoded copy (other bytes) is not caught by content: ids are the only guard there.
   Not covered: ARO's VG images that are also COCO images (VG ids, no COCO id in ARO's files).
 
-Evaluation images are listed with the evaluators' own readers (`clipfinetune.eval.*`), so the check sees exactly
-the files a benchmark scores.
+Evaluation images are listed by `clipfinetune.eval.suite.read_set`, the evaluation's own reading of each set, so the
+check sees exactly the files a benchmark scores.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pathlib import Path
 COCO_NAME = re.compile(r"^(?:COCO_[a-z]+\d{4}_)?(\d{12})\.(?:jpg|jpeg|png)$", re.IGNORECASE)
 IMAGES_NOT_FILES = ("wds",)   # readers whose images live inside archives (Record.data), not as files
 SHOWN = 5            # ids named in the error per overlapping set
+DIGEST_CACHE = Path("data/cache/leakage")   # the project's digest cache (stages shards and benchmarks, validate)
 
 
 @dataclass(frozen=True)
@@ -99,44 +100,12 @@ def training_images(sources: dict, splits=None, unchecked: list | None = None, r
 
 
 # ---------------------------------------------------------------- evaluation images
-def evaluation_images(task: str, cfg: dict) -> list[str]:
-    """Every image file one configured benchmark set scores, read by that benchmark's reader."""
-    from clipfinetune.eval import box_cls, global_local, long_retrieval, retrieval, zeroshot
-    from clipfinetune.eval import compositionality as comp
-
-    if task == "retrieval":
-        return retrieval.load_retrieval_set(cfg).images
-    if task == "long_retrieval":
-        return long_retrieval.load_long_set(cfg).images
-    if task == "global_local":
-        return [r.image[0] for r in global_local.read_joint_list(cfg["test_list"], cfg.get("images"))]
-    if task in ("box_cls", "box_cls_hard"):
-        return [p for p, _ in box_cls.load_box_set(cfg).images]
-    if task == "sugarcrepe":
-        return [r["image"] for recs in comp.read_sugarcrepe(cfg["dir"], cfg.get("images")).values() for r in recs]
-    if task == "valse":
-        return [r["image"] for recs in comp.read_valse(cfg["dir"], cfg.get("images")).values() for r in recs]
-    if task == "winoground":
-        return [p for r in comp.read_winoground(cfg["dir"]) for p in r["images"]]
-    if task == "zeroshot":
-        return zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test"), None).images
-    if task == "aro":
-        out = []
-        if cfg.get("dir"):
-            images = cfg.get("images") or str(Path(cfg["dir"]) / "images")
-            for _, keys in comp.read_vg(cfg["dir"], images).values():
-                out += [p for p, _ in keys]
-        for name in ("coco_order", "flickr_order"):
-            if cfg.get(name):
-                out += retrieval.read_blip_list(cfg[name], cfg.get(f"{name}_images")).images
-        return out
-    raise ValueError(f"unknown evaluation task {task!r}")
-
-
 def evaluation_sets(benchmarks: dict | None, unreadable: dict | None = None) -> dict[str, list[ImageRef]]:
-    """{"<task>.<set>": images} for every configured set of `eval.benchmarks`. A set whose files cannot be read
+    """{"<task>.<set>": images} for every configured set of `eval.benchmarks`, as its benchmark's reader lists the images
+    it scores (`clipfinetune.eval.suite.read_set`). A set whose files cannot be read
     (e.g. a sample-world set the `sample` stage has not written yet: it cannot hold a real training image) is left
     out and its error put in `unreadable` when given, else raised."""
+    from clipfinetune.eval.suite import read_set
     from clipfinetune.io import InputError
 
     out = {}
@@ -145,7 +114,7 @@ def evaluation_sets(benchmarks: dict | None, unreadable: dict | None = None) -> 
             if not cfg:
                 continue
             try:
-                out[f"{task}.{name}"] = [ImageRef(p, coco_id_of(p)) for p in evaluation_images(task, dict(cfg))]
+                out[f"{task}.{name}"] = [ImageRef(p, coco_id_of(p)) for p in read_set(task, dict(cfg), name).images]
             except (InputError, OSError) as e:
                 if unreadable is None:
                     raise

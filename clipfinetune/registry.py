@@ -4,8 +4,8 @@ A method is a name in METHODS plus its files (clipfinetune/methods/<name>.py, cl
 run is a `train@<run>` stage: each method's own run, the papers' ablations (a run of a method with its own loss
 weights, params `ablations.<run>`) and the `custom` mix of the methods' terms. The evaluated models are `base` and
 every run. What else lists them is derived from these lines (`methods.get_method`, `custom`'s terms from each
-method's `terms`, benchmarks/fig2_methods.py) or checked against them by tests/test_registry.py (params.yaml
-`eval.models` and `ablations`, dvc.yaml's train items, report deps and plots, the report's claims).
+method's `terms`, benchmarks/fig2_methods.py) or checked against them by tests/test_registry.py (params.yaml `runs`,
+`eval.models` and `ablations`, the report's claims). dvc.yaml lists none: it iterates params `runs` and `eval.models`.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Stage `eval@<model>`: the evaluation suite on models/<model> -> metrics/<model>.json (DVC metrics) and
-metrics/items/<model>.parquet (every query's / box's / test case's outcome, clipfinetune/eval/items.py).
+metrics/items/<model>.parquet (every query's / box's / test case's outcome, clipfinetune/eval/items.py; its schema
+metadata holds the metrics file's text under `items.METRICS_KEY`).
 
 Benchmarks come from `eval.benchmarks` (task -> set -> paths); unconfigured ones are listed under
 "skipped" in the metrics file. Run by hand: python stages/eval.py --model clip [--stage eval@clip].
@@ -13,7 +14,7 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 from _common import start
 
-from clipfinetune.eval.items import to_frame
+from clipfinetune.eval.items import METRICS_KEY, to_frame
 from clipfinetune.eval.suite import evaluate_model
 from clipfinetune.io import write_json, write_parquet
 
@@ -42,8 +43,11 @@ def main() -> None:
                              cache_dir=params["eval.cache_dir"] or None, items=items)
     metrics["meta"]["model"] = args.model
     table = to_frame(items)
-    write_parquet(Path("metrics") / "items" / f"{args.model}.parquet", table)
-    write_json(Path("metrics") / f"{args.model}.json", metrics)
+    metrics_file = Path("metrics") / f"{args.model}.json"
+    write_json(metrics_file, metrics)
+    # the items file carries the metrics file too: `report` depends on the metrics/items folder alone (a folder dep
+    # on metrics/ would hold its own metrics/summary.json), and sees a change of either
+    write_parquet(Path("metrics") / "items" / f"{args.model}.parquet", table, {METRICS_KEY: metrics_file.read_text()})
     log.info("wrote metrics/%s.json and %d item outcomes in %.1fs; skipped: %s", args.model, len(table),
              time.perf_counter() - t0, sorted(metrics["skipped"]))
     params.check_all_read()

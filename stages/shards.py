@@ -19,7 +19,6 @@ from clipfinetune.data.readers import read_sources
 
 OUT = Path("data/shards")
 PREPARED = Path("data/prepared")
-LEAKAGE_CACHE = Path("data/cache/leakage")
 
 
 def main() -> None:
@@ -30,7 +29,7 @@ def main() -> None:
     train = leakage.training_images(sources, params["shards.splits"], records=records)
     unreadable: dict = {}
     overlaps, cost = leakage.find_overlaps(train, leakage.evaluation_sets(params["eval.benchmarks"], unreadable),
-                                           LEAKAGE_CACHE)
+                                           leakage.DIGEST_CACHE)
     log.info("leakage check: %s; not compared (unreadable): %s", cost, unreadable or "none")
     leakage.refuse(overlaps)
     prepared_from = {"word_regions": params["word_regions.source"], "negatives": params["negatives.source"],

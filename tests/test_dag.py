@@ -1,8 +1,10 @@
 """The whole DVC DAG end to end on a tiny sample world, in a throw-away git repo copy of the project.
 
 One module-scoped fixture runs `dvc repro` (every stage, all 13 train runs) and the experiment flow once;
-the tests read what it recorded:
-  - a second `dvc repro` is a no-op and `dvc status` is clean;
+the tests read what it recorded (stage `benchmarks` is always changed: it re-lists the benchmark files on every
+repro, and its unchanged output re-runs nothing):
+  - a second `dvc repro` runs only `benchmarks` and `dvc status` shows nothing else;
+  - every run's dvclive curves render in `dvc plots show`;
   - changing `loss.lambda_l` makes `dvc status` list exactly `train@fsc_clip`;
   - changing `train.seed` (what `make seeds` varies) marks every train@ run and not pretrain;
   - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
@@ -52,6 +54,7 @@ def dag(tmp_path_factory):
 
     rec["second_ran"] = RAN.findall(_run(repo, "dvc", "repro").stdout)
     rec["status_clean"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    rec["plots"] = json.loads(_run(repo, "dvc", "plots", "show", "--json").stdout)
 
     write_params(repo, {"loss": {"lambda_l": 0.2}})                      # by hand, then back
     rec["status_changed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
@@ -69,6 +72,15 @@ def dag(tmp_path_factory):
     rec["exp_diff"] = json.loads(_run(repo, "dvc", "exp", "diff", "--json", "HEAD", "l02").stdout)
     print(f"\n[dag] repro {rec['repro_seconds']:.0f}s, exp run {rec['exp_seconds']:.0f}s")
     return rec
+
+
+ALWAYS = {"benchmarks": ["always changed"]}
+
+
+def _changed(status: dict) -> dict:
+    """`dvc status` without the always-changed `benchmarks` stage."""
+    assert status.get("benchmarks") == ALWAYS["benchmarks"], status
+    return {k: v for k, v in status.items() if k != "benchmarks"}
 
 
 def test_repro_runs_every_stage_and_writes_every_metric(dag):
@@ -94,23 +106,34 @@ def test_repro_runs_every_stage_and_writes_every_metric(dag):
 
 
 def test_second_repro_is_a_no_op_and_status_is_clean(dag):
-    assert dag["second_ran"] == []
-    assert dag["status_clean"] == {}
+    assert dag["second_ran"] == ["benchmarks"]          # re-listed; its output unchanged, so no eval re-ran
+    assert dag["status_clean"] == ALWAYS
+
+
+def test_every_runs_curves_render_in_plots_show(dag):
+    """The curves are each train@<run>'s `plots` output (dvc.yaml names no run): every run's total loss renders."""
+    assert not dag["plots"].get("errors"), dag["plots"]["errors"]
+    runs = [s.split("@", 1)[1] for s in dag["stages"] if s.startswith("train@")]
+    for run in runs + ["pretrain"]:
+        prefix = f"dvclive/train/{run}" if run != "pretrain" else "dvclive/pretrain"
+        (rendered,) = dag["plots"]["data"][f"{prefix}/plots/metrics/loss.tsv"]
+        values = rendered["content"]["data"]["values"]
+        assert values and {"step", "loss"} <= set(values[0]), run
 
 
 def test_changing_lambda_l_marks_exactly_train_fsc_clip(dag):
-    assert list(dag["status_changed"]) == ["train@fsc_clip"]
+    assert list(_changed(dag["status_changed"])) == ["train@fsc_clip"]
     assert "loss.lambda_l" in json.dumps(dag["status_changed"])
 
 
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
     # downstream of the runs: their eval@ stages and report (not eval@base); sample, data stages, pretrain untouched
-    assert set(dag["status_seed"]) == {s for s in dag["stages"] if s.startswith("train@")}
+    assert set(_changed(dag["status_seed"])) == {s for s in dag["stages"] if s.startswith("train@")}
 
 
 def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):
     wanted = {"train@fsc_clip", "eval@fsc_clip", "report"}
-    assert set(dag["exp_ran"]) == wanted
+    assert set(dag["exp_ran"]) == wanted | {"benchmarks"}      # benchmarks re-lists (same output, lock unchanged)
     before, after = dag["lock_baseline"], dag["lock_exp"]
     assert before.keys() == after.keys()
     assert {name for name in before if before[name] != after[name]} == wanted

@@ -142,7 +142,7 @@ def test_vg_relation_macro_excludes_symmetric_and_vga_needs_25(tmp_path):
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
     (tmp_path / "visual_genome_attribution.json").write_text(json.dumps(vga))
     enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
-    m = comp.evaluate_vg(enc, tmp_path, tmp_path / "images")
+    m = comp.evaluate_vg(enc, comp.read_vg(tmp_path, tmp_path / "images"))
     # non-symmetric relations: "sitting on" 1/2, "riding" 1/1 -> macro 75 (micro 2/5 = 40)
     assert m["vg_relation"] == pytest.approx(75.0) and m["n_vg_relation_groups"] == 2
     assert m["vg_relation_micro"] == pytest.approx(40.0)
@@ -157,7 +157,7 @@ def test_vg_crops_the_image_to_the_box(tmp_path):
             "true_caption": "id41 yes", "false_caption": "id40 no"} for x in (0, 16)]
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
     enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
-    assert comp.evaluate_vg(enc, tmp_path, tmp_path / "images")["vg_relation_micro"] == pytest.approx(50.0)
+    assert comp.evaluate_vg(enc, comp.read_vg(tmp_path, tmp_path / "images"))["vg_relation_micro"] == pytest.approx(50.0)
 
 
 def test_valse_filter_drops_low_agreement_samples(tmp_path):

@@ -45,8 +45,8 @@ def _train(tree):
 
 
 def _karpathy(tree):
-    return {"retrieval.real": [leakage.ImageRef(p, leakage.coco_id_of(p)) for p in leakage.evaluation_images(
-        "retrieval", {"karpathy": str(tree / "dataset_coco.json"), "images": str(tree)})]}
+    return leakage.evaluation_sets({"retrieval": {"real": {"karpathy": str(tree / "dataset_coco.json"),
+                                                           "images": str(tree)}}})
 
 
 def test_coco_ids_come_from_either_file_naming():

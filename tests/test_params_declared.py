@@ -13,7 +13,8 @@ Dict-valued declarations allowed (each is ONE setting that one stage family read
   - `sources` (stage `shards` only): whichever sources `shards.sources` names, so training on a new source is a
                           params.yaml edit; a change to a source shards does not list re-runs shards alone, whose
                           byte-identical output leaves every train@ run untouched;
-  - `eval.benchmarks`     the benchmark configuration: every eval@<model> reads all of it, and a change to any
+  - `eval.benchmarks`     the benchmark configuration: stage `benchmarks` (which lists its files) and every
+                          eval@<model> read all of it, and a change to any
                           benchmark path must re-run every eval anyway, so key-by-key declarations would re-run
                           nothing less and would make adding a benchmark set a dvc.yaml edit.
 """
@@ -65,13 +66,14 @@ def declared(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def _train_runs():
-    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
-    return dvc["stages"]["train"]["foreach"]
+    """params.yaml `runs` (dvc.yaml: `train: foreach: ${runs}`)."""
+    return PARAMS["runs"]
 
 
 def test_dvc_expands_every_stage(declared):
     assert {s for s in declared if s.startswith("train@")} == {f"train@{r}" for r in _train_runs()}
     assert {s for s in declared if s.startswith("eval@")} == {f"eval@{m}" for m in PARAMS["eval"]["models"]}
+    assert {s for s in declared if "@" not in s} >= {"benchmarks", "report"}
 
 
 def test_every_declared_key_exists_in_params_yaml(declared):

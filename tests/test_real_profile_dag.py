@@ -33,7 +33,7 @@ CPU = {
     "eval": {"batch_size": 64, "threads": 1},
 }
 STAGES = {"sample", "word_regions", "sentences", "segments", "pretrain", "lism", "negatives", "shards",
-          "train@clip", "eval@clip"}
+          "train@clip", "benchmarks", "eval@clip"}
 
 
 def _json(path):

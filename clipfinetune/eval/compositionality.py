@@ -126,14 +126,13 @@ def read_vg(directory, images_root) -> dict[str, tuple]:
             if (Path(directory) / name).is_file()}
 
 
-def evaluate_vg(encoder: Encoder, directory, images_root, vga_min_count: int = VGA_MIN_COUNT,
+def evaluate_vg(encoder: Encoder, cases: dict[str, tuple], vga_min_count: int = VGA_MIN_COUNT,
                 items: list | None = None) -> dict:
-    """VG-R: per-relation accuracy, mean over non-symmetric relations. VG-A: per attribute pair
+    """`cases`: `read_vg`'s. VG-R: per-relation accuracy, mean over non-symmetric relations. VG-A: per attribute pair
     `a0_a1` accuracy, mean over pairs with >= 25 cases. Either file may be absent (-> not reported).
     Items: parts vg_relation / vg_attribution (id = index in the file), labelled with the macro group
     ("" for a case outside the macro average: symmetric relation, rare attribute pair)."""
     out = {}
-    cases = read_vg(directory, images_root)
     if "vg_relation" in cases:
         recs, keys = cases["vg_relation"]
         ok = vg_correct(encoder, recs, keys)

@@ -21,6 +21,8 @@ import numpy as np
 
 COLUMNS = ("benchmark", "part", "item", "kind", "value", "label")
 KINDS = ("rank", "correct", "ap")
+METRICS_KEY = "metrics.json"   # the eval stage's parquet schema metadata: its metrics/<model>.json text (stage `report`
+                               # depends on metrics/items alone, so either file's change re-runs it)
 
 
 @dataclass

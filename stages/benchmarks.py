@@ -1,0 +1,34 @@
+"""Stage `benchmarks`: every file the configured evaluation sets read -> data/prepared/benchmarks.json
+({"<task>.<set>": {file: [size, BLAKE2b]}}, `clipfinetune.eval.suite.benchmark_manifest`).
+
+DVC cannot take a profile's benchmark files as deps (they are nested under `eval.benchmarks` and differ per profile),
+so this stage runs on every `dvc repro` (always_changed) and eval@<model> depends on its output, which changes only
+when a benchmark file does: an edited benchmark file re-runs every eval, an unchanged one none. Digests are cached
+(data/cache/leakage, shared with the leakage check), so a re-run costs one stat per file.
+Run by hand: python stages/benchmarks.py --stage benchmarks
+"""
+from __future__ import annotations
+
+import time
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import start
+
+from clipfinetune.eval.suite import benchmark_manifest
+from clipfinetune.io import write_json
+from clipfinetune.leakage import DIGEST_CACHE
+
+OUT = "data/prepared/benchmarks.json"
+
+
+def main() -> None:
+    _, params, log = start(__doc__, "benchmarks")
+    t0 = time.perf_counter()
+    manifest, cost = benchmark_manifest(params["eval.benchmarks"], DIGEST_CACHE)
+    write_json(OUT, manifest)
+    log.info("%d sets, %s in %.1fs", len(manifest), cost, time.perf_counter() - t0)
+    params.check_all_read()
+
+
+if __name__ == "__main__":
+    main()

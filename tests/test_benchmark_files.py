@@ -1,0 +1,179 @@
+"""Eval stages depend on the benchmark files they read: `clipfinetune.eval.suite.benchmark_files` lists them by each
+benchmark's own reader, stage `benchmarks` writes their sizes and digests to data/prepared/benchmarks.json, and every
+eval@<model> depends on that file. Unit tests on the evaluation test world; one DVC run on the tiny sample world
+(marker `dag`) edits a configured benchmark file in place and checks which stages re-run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from fixtures.eval import world
+from fixtures.eval.fakes import write_image
+from fixtures.project import RAN, TINY, copy_project, run, write_params
+
+from clipfinetune import leakage, profile
+from clipfinetune.eval.items import METRICS_KEY
+from clipfinetune.eval.suite import benchmark_files, benchmark_manifest, read_set
+from clipfinetune.io import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rel(paths, root) -> set[str]:
+    return {os.path.relpath(p, root) for p in paths}
+
+
+@pytest.fixture
+def bench(tmp_path):
+    cfg = world.build(tmp_path)
+    write_image(tmp_path / "aro" / "images" / "unused.png", 99)            # in ARO's folder, scored by nothing
+    write_image(tmp_path / "zeroshot" / "train" / "a_cls" / "0.png", 98)   # another split of the zero-shot folder
+    (tmp_path / "sugarcrepe" / "README.md").write_text("notes\n")          # any other file of an annotation folder
+    return cfg
+
+
+EXPECTED = {   # the files each set of tests/fixtures/eval/world.py reads (Karpathy's train image 9 is not tested)
+    ("retrieval", "sample"): {"karpathy/dataset_coco.json", "images/val/1.png", "images/val/2.png", "images/val/3.png"},
+    ("long_retrieval", "sample"): {"docci/descriptions.jsonlines", "docci/images/test_00000.png",
+                                   "docci/images/test_00001.png"},
+    ("global_local", "sample"): {"prepared/global_local_test.json", "docci/images/sa_1.png", "docci/images/sa_2.png"},
+    ("box_cls", "sample"): {"box_cls/instances_shape.json", "images/val/40.png"},
+    ("sugarcrepe", "sample"): {"sugarcrepe/swap_att.json", "sugarcrepe/add_obj.json", "sugarcrepe/README.md",
+                               "images/val/31.png", "images/val/32.png"},
+    ("aro", "sample"): {"aro/visual_genome_relation.json", "aro/visual_genome_attribution.json", "aro/images/vg1.png",
+                        "karpathy/coco_karpathy_test.json", "images/val/1.png", "images/val/2.png", "images/val/3.png"},
+    ("valse", "sample"): {"valse/relations.json", "valse/images/v1.png"},
+    ("winoground", "sample"): {"winoground/examples.jsonl"} | {f"winoground/ex_{e}_img_{i}.png" for e in (0, 1)
+                                                                for i in (0, 1)},
+    ("zeroshot", "sample"): {"zeroshot/classnames.txt", "zeroshot/templates.txt"}
+    | {f"zeroshot/test/{c}/{n}.png" for c in ("a_cls", "b_cls", "c_cls") for n in (0, 1)},
+}
+
+
+@pytest.mark.parametrize("task,name", sorted(EXPECTED))
+def test_benchmark_files_are_the_annotation_files_and_the_scored_images(bench, tmp_path, task, name):
+    assert _rel(benchmark_files(task, bench[task][name], name), tmp_path) == EXPECTED[(task, name)]
+
+
+def test_the_leakage_check_compares_the_images_the_evaluation_scores(bench, tmp_path):
+    sets = leakage.evaluation_sets(bench)
+    for (task, name), expected in EXPECTED.items():
+        images = [r.path for r in sets[f"{task}.{name}"]]
+        assert images == read_set(task, bench[task][name], name).images, task
+        assert _rel(images, tmp_path) == {p for p in expected if p.endswith(".png")}, task
+
+
+def test_the_manifest_changes_exactly_when_a_file_changes(bench, tmp_path):
+    cache = tmp_path / "cache"
+    first, cost = benchmark_manifest(bench, cache)
+    assert set(first) == {f"{t}.{n}" for t, n in EXPECTED}                 # box_cls_hard: {} is no set
+    assert cost["files"] == sum(map(len, EXPECTED.values()))
+    assert cost["files_hashed"] == len(set().union(*EXPECTED.values()))   # a file two sets read is hashed once
+    again, cost = benchmark_manifest(bench, cache)
+    assert again == first and cost["files_hashed"] == 0                   # cached: one stat per file
+    image = tmp_path / "images" / "val" / "31.png"
+    os.utime(image, ns=(1, 1))                                            # touched, same bytes: same manifest
+    assert benchmark_manifest(bench, cache)[0] == first
+    write_image(image, 77)                                                # edited in place
+    edited, _ = benchmark_manifest(bench, cache)
+    changed = {(s, f) for s in first for f in first[s] if first[s][f] != edited[s][f]}
+    assert changed == {("sugarcrepe.sample", str(image))}
+
+
+def test_a_missing_benchmark_file_is_an_error_naming_it(bench, tmp_path):
+    (tmp_path / "images" / "val" / "40.png").unlink()
+    with pytest.raises(InputError, match="40.png"):
+        benchmark_manifest({"box_cls": bench["box_cls"]}, tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """The stages as DVC expands dvc.yaml."""
+    from dvc.repo import Repo
+
+    tmp = tmp_path_factory.mktemp("benchmark_deps")
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(ROOT / name, tmp / name)
+    Repo.init(str(tmp), no_scm=True)
+    with Repo(str(tmp)) as repo:
+        return list(repo.index.stages)
+
+
+PROFILES = [["params.yaml"], ["params.yaml", "params.real.yaml"]] + \
+    [["params.yaml", "params.real.yaml", f"recipes/{r}.yaml"] for r in ("harmoclip", "fsc_clip", "goal", "degla",
+                                                                          "mulclip")]
+
+
+def _leaves(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _leaves(v)
+    elif isinstance(node, str) and node:
+        yield node
+
+
+def test_every_benchmark_file_a_stage_writes_is_under_a_dep_of_the_benchmarks_stage(stages):
+    """The manifest must be written after the stages that write benchmark files (DAG order): in every profile, a
+    configured benchmark path inside a stage's output lies inside a dep of stage `benchmarks`."""
+    (bench_stage,) = [s for s in stages if s.name == "benchmarks"]
+    assert bench_stage.always_changed
+    deps = [Path(d.def_path) for d in bench_stage.deps]
+    outs = [Path(o.def_path) for s in stages if s.name != "benchmarks" for o in s.outs]
+    for names in PROFILES:
+        params = profile.merged([ROOT / n for n in names])
+        for value in _leaves(params["eval"]["benchmarks"]):
+            path = Path(value)
+            if any(path == o or o in path.parents for o in outs):
+                assert any(path == d or d in path.parents for d in deps), (names, value)
+
+
+# ---------------------------------------------------------------- DVC, end to end on the tiny sample world
+@pytest.mark.dag
+def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_path):
+    repo = copy_project(tmp_path / "project")
+    write_params(repo, TINY)
+    run(repo, "git", "init", "-q")
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "tiny project")
+    run(repo, "dvc", "repro", "sample")
+    # a benchmark set outside every stage output, as a real profile's datasets/...: a copy of the sample Karpathy set
+    ext = repo / "datasets" / "ext"
+    shutil.copytree(repo / "data" / "sample" / "images" / "val", ext / "images" / "val")
+    shutil.copy(repo / "data" / "sample" / "karpathy" / "dataset_coco.json", ext / "dataset_coco.json")
+    write_params(repo, {"eval": {"benchmarks": {"retrieval": {"ext": {"karpathy": "datasets/ext/dataset_coco.json",
+                                                                      "images": "datasets/ext/images"}}}}})
+    first = RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout)
+    assert {"benchmarks", "eval@base"} <= set(first)
+    metrics = json.loads((repo / "metrics" / "base.json").read_text())
+    assert "ext" in metrics["retrieval"]
+    import pyarrow.parquet as pq
+
+    # the items file carries the metrics file: `report` depends on metrics/items alone
+    meta = pq.read_schema(repo / "metrics" / "items" / "base.parquet").metadata
+    assert meta[METRICS_KEY.encode()].decode() == (repo / "metrics" / "base.json").read_text()
+
+    # unchanged: the manifest is re-listed, nothing else runs
+    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks"]
+    assert json.loads(run(repo, "dvc", "status", "--json", "eval@base").stdout) == {}
+
+    # a caption of the external set edited in place
+    data = json.loads((ext / "dataset_coco.json").read_text())
+    test_image = next(im for im in data["images"] if im["split"] == "test")
+    test_image["sentences"][0]["raw"] = "an edited caption"
+    (ext / "dataset_coco.json").write_text(json.dumps(data))
+    run(repo, "dvc", "repro", "--single-item", "benchmarks")
+    status = json.loads(run(repo, "dvc", "status", "--json", "eval@base").stdout)
+    assert status == {"eval@base": [{"changed deps": {"data/prepared/benchmarks.json": "modified"}}]}
+    dry = RAN.findall(run(repo, "dvc", "repro", "--dry", "eval@base").stdout)
+    assert dry == ["benchmarks", "eval@base"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks", "eval@base"]
+
+    # an image of it rewritten in place (another picture, same name)
+    image = ext / "images" / "val" / Path(test_image["filename"]).name
+    shutil.copy(next(p for p in (ext / "images" / "val").iterdir() if p != image), image)
+    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks", "eval@base"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks"]
