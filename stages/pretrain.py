@@ -6,7 +6,8 @@ random each epoch, read by the sources' readers (not the shards: they need LISM 
 world uses this model). On the sample world the source is `pretrain`, the pretraining-only split.
 `pretrain.one_colour_share` of every batch holds images of one colour (`train.sources.CaptionPairSource`). Before
 the contrastive steps, `pretrain.label_warmup_steps` steps train the image tower to name the shapes and colours of
-each image (`train.label_warmup`, the LiT-style supervised start; 0 = off).
+each image (`train.label_warmup`, the LiT-style supervised start; 0 = off), and with `pretrain.label_warmup_regions`
+each object's from its RoIAligned dense feature.
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -28,7 +29,8 @@ from _common import ROOT, source_specs, stage_inputs, start
 
 GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretraining split: the group of one_colour_share
 LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts
-OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr")   # keys TrainConfig does not hold
+REGION_KEY = "regions"      # record.extra key: every object's box and labels (the warm-up's region term)
+OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr", "label_warmup_regions")   # keys TrainConfig does not hold
 
 
 def main() -> None:
@@ -64,6 +66,7 @@ def main() -> None:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
         group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
+        use_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
         cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS},
                           precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
@@ -71,7 +74,8 @@ def main() -> None:
         records = [r for n, spec in sources.items() for r in read_source(n, spec)]
         source = CaptionPairSource(records, model.transform, model.tokenize, cfg.micro_batch_size, cfg.seed,
                                    dist.rank, dist.world_size, group_key=GROUP_KEY, group_share=group_share,
-                                   label_key=LABEL_KEY if label_steps else "")
+                                   label_key=LABEL_KEY if label_steps else "",
+                                   region_key=REGION_KEY if use_regions else "")
         log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)
@@ -83,7 +87,8 @@ def main() -> None:
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             label_warmup(model, source.images, source.labels, steps=label_steps,
                          lr=float(settings["label_warmup_lr"]), batch_size=cfg.batch_size, warmup=cfg.warmup,
-                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize)
+                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
+                         regions=source.regions if use_regions else None)
         trainer.fit()
         if dist.is_main:
             export_model(model, out)

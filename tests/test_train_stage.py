@@ -197,6 +197,32 @@ def test_caption_source_names_the_image_without_a_group(tmp_path):
         CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_key="colour", group_share=0.5)
 
 
+def test_caption_source_maps_region_boxes_to_model_input_and_labels_onto_the_label_columns(tmp_path):
+    from torchvision import transforms as T
+
+    from clipfinetune.io import InputError
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images, _ = _coloured_coco(tmp_path)
+    coco = json.loads(captions.read_text())
+    for image in coco["images"]:                    # 8 x 8 images; one region in the top-left quarter
+        image["regions"] = [{"box": [0, 0, 4, 4], "labels": list(image["labels"])}]
+    coco["images"][4]["regions"].append({"box": [4, 2, 8, 6], "labels": ["green"]})
+    captions.write_text(json.dumps(coco))
+    to_16 = T.Compose([T.Resize((16, 16)), T.ToTensor()])          # input pixels = 2 x image pixels
+    source = CaptionPairSource(_records(captions, images), to_16, _tokenize, batch_size=8, label_key="labels",
+                               region_key="regions")
+    boxes, rows = source.regions[source.image_ids.index("4")]
+    assert boxes.tolist() == [[0.0, 0.0, 8.0, 8.0], [8.0, 4.0, 16.0, 12.0]]
+    assert source.label_names == ["blue", "green", "red", "ring", "star"]
+    assert rows.tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]]     # image 4: blue ring; + green
+    del coco["images"][5]["regions"]
+    captions.write_text(json.dumps(coco))
+    with pytest.raises(InputError, match="regions"):
+        CaptionPairSource(_records(captions, images), to_16, _tokenize, batch_size=8, label_key="labels",
+                          region_key="regions")
+
+
 # ------------------------------------------------------------------------------------------ pretrain, real weights
 def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_note(tmp_path, monkeypatch):
     """`model.pretrained: local-dir:<folder>` (the real profile's stand-in for ViT-B-16/openai): models/base is
