@@ -199,7 +199,8 @@ def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
         objects = recs[f"images/pretrain/{image['file_name']}"]["objects"]
         assert 1 <= len(objects) <= 2 and image["colour"] == objects[0]["colour"]
         assert image["labels"] == ([objects[0]["shape"], objects[0]["colour"]] if len(objects) == 1 else [])
-        assert image["regions"] == [{"box": o["bbox"], "labels": [o["shape"], o["colour"]]} for o in objects]
+        assert [(r["box"], r["labels"], r["text"].split()[-2:]) for r in image["regions"]] == \
+            [(o["bbox"], [o["shape"], o["colour"]], [o["colour"], o["shape"]]) for o in objects]
         assert len(captions[image["id"]]) == 5
         for text in captions[image["id"]]:
             words = set(text.replace(".", " ").replace(",", " ").split())

@@ -15,8 +15,8 @@ object with its colour, or an ordinary short caption). Each image's `images[]` e
 first object (`colour`), the group `pretrain` batches by (`train.sources.CaptionPairSource`), and, for a one-object
 image, its shape and colour (`labels`, else empty), the targets of the image tower's label warm-up
 (`train.label_warmup`: on one-object images the tiny ViT learnt shape about twice as fast as on all images' sets
-of shapes and colours, 45% vs 24% after 200 steps), and every object's box and labels (`regions`), the targets of
-the warm-up's region term. A share of the images are close-ups of one large object (CLOSEUP_SHARE). On the short captions
+of shapes and colours, 45% vs 24% after 200 steps), and every object's box, labels and name ("a red circle") (`regions`), the targets of
+the warm-up's region term and of pretraining's region-text term. A share of the images are close-ups of one large object (CLOSEUP_SHARE). On the short captions
 of the 2-4-object train scenes a tiny CLIP learns colour and stays shape-blind (issue 22).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import aro, compositional, formats
-from .captions import long_description, pretraining_captions, short_captions
+from .captions import long_description, noun_phrase, pretraining_captions, short_captions
 from .render import jpeg_bytes, render
 from .scene import Scene, make_obj, new_scene, place, random_background, random_specs
 from .vocab import COLOUR_NAMES, SHAPE_NAMES, SIZES, ZEROSHOT_TEMPLATES
@@ -104,7 +104,8 @@ def _coco_split(w: _Writer, cfg: WorldConfig, split: str, n: int, id0: int):
         for image, sc in zip(captions["images"], scenes):
             image["colour"] = sc.objects[0].colour
             image["labels"] = [sc.objects[0].shape, sc.objects[0].colour] if len(sc.objects) == 1 else []
-            image["regions"] = [{"box": o.bbox, "labels": [o.shape, o.colour]} for o in sc.objects]
+            image["regions"] = [{"box": o.bbox, "labels": [o.shape, o.colour], "text": noun_phrase(o.shape, 1, o.colour)}
+                                for o in sc.objects]
     else:
         w.text(f"annotations/instances_{split}.json", formats.dumps(formats.instances(scenes, ids, names)))
     w.text(f"annotations/captions_{split}.json", formats.dumps(captions))

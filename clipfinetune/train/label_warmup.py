@@ -73,16 +73,19 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
             group["lr"] = lr * cosine_with_warmup(step, warmup, steps)
         idx = pool[torch.randint(len(pool), (min(batch_size, len(pool)),), generator=g)]
         batch = normalize(images[idx]).to(device)
-        rows = idx[has_label[idx]]
-        loss = torch.zeros((), device=device)
-        if len(rows):
-            logits = head(model.encode_image(batch[has_label[idx].to(device)], normalize=False))
-            loss = loss + _soft_cross_entropy(logits, labels[rows].to(device, logits.dtype))
-        if regions is not None:
-            boxes = [regions[int(i)][0].to(device) for i in idx]
-            features = model.region_features(batch, boxes)
-            target = torch.cat([regions[int(i)][1] for i in idx]).to(device, features.dtype)
-            loss = loss + _soft_cross_entropy(head(features * region_scale), target)
+        if regions is None:
+            logits = head(model.encode_image(batch, normalize=False))
+            loss = _soft_cross_entropy(logits, labels[idx].to(device, logits.dtype))
+        else:                   # one forward for both terms (the dense map shares blocks 0..L-2 with the embedding)
+            features = model.image_features(batch, dense=True)
+            rows = has_label[idx].to(device)
+            loss = torch.zeros((), device=device)
+            if rows.any():
+                logits = head(features["global_raw"][rows])
+                loss = loss + _soft_cross_entropy(logits, labels[idx][has_label[idx]].to(device, logits.dtype))
+            region = model.pool_regions(features["dense"], [regions[int(i)][0].to(device) for i in idx])
+            target = torch.cat([regions[int(i)][1] for i in idx]).to(device, region.dtype)
+            loss = loss + _soft_cross_entropy(head(region * region_scale), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

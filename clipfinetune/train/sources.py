@@ -19,7 +19,9 @@ settles on colour, the fast feature, and stays shape-blind; batches of one colou
 Labels (`label_key`): the record's list of names under that `extra` (`images[]`) key as a multi-hot row of
 `labels` (columns: `label_names`, sorted), for the image tower's label warm-up (`train.label_warmup`). Regions
 (`region_key`): the record's list of `{"box": xyxy pixels, "labels": [names]}` under that key, as boxes in
-model-input pixels and multi-hot rows over the same columns (the warm-up's region term).
+model-input pixels and multi-hot rows over the same columns (the warm-up's region term); each entry's `text`
+names the object, and every batch then carries its objects' boxes (`region_boxes` [K, 5]: batch row, xyxy), names'
+tokens (`region_text`) and name ids (`region_class`, into `region_texts`) for pretraining's region-text term.
 """
 from __future__ import annotations
 
@@ -77,12 +79,17 @@ class CaptionPairSource:
             for row, r in enumerate(records):
                 for name in r.extra[label_key]:
                     self.labels[row, column[str(name)]] = 1.0
-        # per image: (boxes [k, 4] xyxy in model-input pixels, multi-hot labels [k, V]) of its objects
+        # per image: (boxes [k, 4] xyxy in model-input pixels, multi-hot labels [k, V]) of its objects, and their
+        # names' tokens [k, L] and ids [k] into `region_texts` (sorted distinct names)
         self.regions: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.region_texts: list[str] = []
+        self.region_tokens: list[torch.Tensor] = []
+        self.region_classes: list[torch.Tensor] = []
         if region_key:
             if not label_key:
                 raise ValueError("region labels need a label_key (their columns are label_names)")
-            input_size = self.images.shape[-2:]
+            input_size = tuple(self.images.shape[-2:])
+            texts = []
             for r, wh in zip(records, sizes):
                 regions = r.extra.get(region_key)
                 if not isinstance(regions, list):
@@ -94,9 +101,19 @@ class CaptionPairSource:
                         boxes[k] = torch.tensor(region["box"], dtype=torch.float32)
                         for name in region["labels"]:
                             rows[k, column[str(name)]] = 1.0
+                        texts.append(str(region["text"]))
                     except (KeyError, TypeError, ValueError) as e:
                         raise InputError(r.origin, r.image_id, f"bad {region_key!r} entry {region!r}: {e}") from e
-                self.regions.append((resize_boxes(boxes, wh, tuple(input_size)), rows))
+                self.regions.append((resize_boxes(boxes, wh, input_size), rows))
+            self.region_texts = sorted(set(texts))
+            text_id = {t: j for j, t in enumerate(self.region_texts)}
+            tokens = tokenize(self.region_texts) if texts else None
+            start = 0
+            for boxes, _ in self.regions:
+                ids = torch.tensor([text_id[t] for t in texts[start:start + len(boxes)]], dtype=torch.long)
+                start += len(boxes)
+                self.region_classes.append(ids)
+                self.region_tokens.append(tokens[ids] if len(ids) else tokens[:0])
 
     def __len__(self) -> int:
         return len(self.image_ids) // (self.batch_size * self.world_size)
@@ -140,7 +157,14 @@ class CaptionPairSource:
         step = self.batch_size * self.world_size
         for i in range(start, len(self)):
             idx = order[i * step + self.rank * self.batch_size:i * step + (self.rank + 1) * self.batch_size]
-            yield {"image": self.normalize(self.images[idx]), "text": self.tokens[idx, caption[idx]]}
+            batch = {"image": self.normalize(self.images[idx]), "text": self.tokens[idx, caption[idx]]}
+            if self.regions:          # every object of the batch: [batch row, xyxy], its name's tokens and id
+                rows = [torch.cat([torch.full((len(self.regions[i][0]), 1), float(b)), self.regions[i][0]], 1)
+                        for b, i in enumerate(idx.tolist())]
+                batch["region_boxes"] = torch.cat(rows)
+                batch["region_text"] = torch.cat([self.region_tokens[i] for i in idx.tolist()])
+                batch["region_class"] = torch.cat([self.region_classes[i] for i in idx.tolist()])
+            yield batch
 
 
 def split_normalize(transform: Callable) -> tuple[Callable, Callable]:
