@@ -6,7 +6,10 @@ random each epoch, read by the sources' readers (not the shards: they need LISM 
 world uses this model). On the sample world the source is `pretrain`, the pretraining-only split.
 `pretrain.one_colour_share` of every batch holds images of one colour (`train.sources.CaptionPairSource`). Before
 the contrastive steps, `pretrain.label_warmup_steps` steps train the image tower to name the shapes and colours of
-each image (`train.label_warmup`, the LiT-style supervised start; 0 = off).
+each image (`train.label_warmup`, the LiT-style supervised start; 0 = off), and with `pretrain.label_warmup_regions`
+each object's from its RoIAligned dense feature; `pretrain.region_text_weight` adds the region-text term to the
+contrastive steps (`train.pretraining`, `losses/pretrain.py`: each object's dense feature against the batch's object
+names).
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -28,7 +31,9 @@ from _common import ROOT, source_specs, stage_inputs, start
 
 GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretraining split: the group of one_colour_share
 LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts
-OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr")   # keys TrainConfig does not hold
+REGION_KEY = "regions"      # record.extra key: every object's box, labels and name (warm-up and region-text terms)
+OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr", "label_warmup_regions",
+            "region_text_weight")   # keys TrainConfig does not hold
 
 
 def main() -> None:
@@ -57,6 +62,7 @@ def main() -> None:
     from clipfinetune.train.checkpoint import seed_everything
     from clipfinetune.train.config import resolve_precision
     from clipfinetune.train.label_warmup import label_warmup
+    from clipfinetune.train.pretraining import PretrainMethod
     from clipfinetune.train.sources import CaptionPairSource
 
     dist = init_distributed()
@@ -64,6 +70,8 @@ def main() -> None:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
         group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
+        warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
+        region_text_weight = float(settings["region_text_weight"])
         cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS},
                           precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
@@ -71,19 +79,22 @@ def main() -> None:
         records = [r for n, spec in sources.items() for r in read_source(n, spec)]
         source = CaptionPairSource(records, model.transform, model.tokenize, cfg.micro_batch_size, cfg.seed,
                                    dist.rank, dist.world_size, group_key=GROUP_KEY, group_share=group_share,
-                                   label_key=LABEL_KEY if label_steps else "")
+                                   label_key=LABEL_KEY if label_steps or region_text_weight else "",
+                                   region_key=REGION_KEY if warmup_regions or region_text_weight else "")
         log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)
         fp = fingerprint(params.stage, {"model": {"name": name, "pretrained": pretrained, "precision": precision},
                                         "pretrain": settings}, stage_inputs(params.stage), dist.world_size, ROOT)
-        trainer = Trainer(ClipMethod(), model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
+        method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
+        trainer = Trainer(method, model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
         if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             label_warmup(model, source.images, source.labels, steps=label_steps,
                          lr=float(settings["label_warmup_lr"]), batch_size=cfg.batch_size, warmup=cfg.warmup,
-                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize)
+                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
+                         regions=source.regions if warmup_regions else None)
         trainer.fit()
         if dist.is_main:
             export_model(model, out)

@@ -199,6 +199,8 @@ def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
         objects = recs[f"images/pretrain/{image['file_name']}"]["objects"]
         assert 1 <= len(objects) <= 2 and image["colour"] == objects[0]["colour"]
         assert image["labels"] == ([objects[0]["shape"], objects[0]["colour"]] if len(objects) == 1 else [])
+        assert [(r["box"], r["labels"], r["text"].split()[-2:]) for r in image["regions"]] == \
+            [(o["bbox"], [o["shape"], o["colour"]], [o["colour"], o["shape"]]) for o in objects]
         assert len(captions[image["id"]]) == 5
         for text in captions[image["id"]]:
             words = set(text.replace(".", " ").replace(",", " ").split())
@@ -207,6 +209,18 @@ def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
             assert named_shapes <= {o["shape"] for o in objects} and named_colours <= {o["colour"] for o in objects}
             shapes_only += not named_colours and named_shapes == {o["shape"] for o in objects}
     assert shapes_only >= 0.1 * 5 * TINY["n_pretrain"]
+
+
+def test_pretraining_close_ups_hold_one_large_object_inside_the_image():
+    import numpy as np
+
+    from clipfinetune.sample.world import _closeup
+
+    for i in range(200):
+        o = _closeup(np.random.default_rng([7, i]), 64)
+        x0, y0, x1, y1 = o.bbox
+        assert 0 <= x0 < x1 <= 64 and 0 <= y0 < y1 <= 64, (i, o.bbox)
+        assert max(x1 - x0, y1 - y0) >= 32 and o.size == "large"     # larger than any scene object (<= 35 px)
 
 
 def test_same_seed_byte_identical_and_other_seed_differs(tmp_path):

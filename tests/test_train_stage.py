@@ -197,6 +197,67 @@ def test_caption_source_names_the_image_without_a_group(tmp_path):
         CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_key="colour", group_share=0.5)
 
 
+def _tokenize_any(texts):      # "image I caption C" -> [I, C]; an object name -> [-1, its length]
+    return torch.tensor([[int(t.split()[1]), int(t.split()[3])] if t.startswith("image ") else [-1, len(t)]
+                         for t in texts])
+
+
+def test_caption_source_maps_region_boxes_to_model_input_and_serves_them_with_each_batch(tmp_path):
+    from torchvision import transforms as T
+
+    from clipfinetune.io import InputError
+    from clipfinetune.train.sources import CaptionPairSource
+
+    captions, images, _ = _coloured_coco(tmp_path)
+    coco = json.loads(captions.read_text())
+    for image in coco["images"]:                    # 8 x 8 images; one region in the top-left quarter
+        image["regions"] = [{"box": [0, 0, 4, 4], "labels": list(image["labels"]), "text": " ".join(image["labels"])}]
+    coco["images"][4]["regions"].append({"box": [4, 2, 8, 6], "labels": ["green"], "text": "a green"})
+    captions.write_text(json.dumps(coco))
+    to_16 = T.Compose([T.Resize((16, 16)), T.ToTensor()])          # input pixels = 2 x image pixels
+    source = CaptionPairSource(_records(captions, images), to_16, _tokenize_any, batch_size=8, label_key="labels",
+                               region_key="regions")
+    four = source.image_ids.index("4")
+    boxes, rows = source.regions[four]
+    assert boxes.tolist() == [[0.0, 0.0, 8.0, 8.0], [8.0, 4.0, 16.0, 12.0]]
+    assert source.label_names == ["blue", "green", "red", "ring", "star"]
+    assert rows.tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]]     # image 4: blue ring; + green
+    assert [source.region_texts[c] for c in source.region_classes[four]] == ["blue ring", "a green"]
+    assert source.region_tokens[four].tolist() == [[-1, 9], [-1, 7]]
+    for batch in source.batches(0):                 # every object of the batch, on its image's batch row
+        ids = batch["text"][:, 0].tolist()
+        expected = [(row, source.regions[source.image_ids.index(str(i))][0][k].tolist())
+                    for row, i in enumerate(ids) for k in range(len(source.regions[source.image_ids.index(str(i))][0]))]
+        assert [(int(b[0]), b[1:].tolist()) for b in batch["region_boxes"]] == expected
+        assert len(batch["region_text"]) == len(batch["region_class"]) == len(expected)
+    del coco["images"][5]["regions"]
+    captions.write_text(json.dumps(coco))
+    with pytest.raises(InputError, match="regions"):
+        CaptionPairSource(_records(captions, images), to_16, _tokenize_any, batch_size=8, label_key="labels",
+                          region_key="regions")
+
+
+def test_pretrain_features_embed_each_object_name_once_and_pool_each_box():
+    from clipfinetune.models import load_model
+    from clipfinetune.train.pretraining import PretrainMethod
+
+    torch.manual_seed(0)
+    model = load_model("cft-tiny-vit")
+    module = PretrainMethod(1.0).build(model).eval()
+    names = model.tokenize(["a red circle", "a blue star"])
+    batch = {"image": torch.randn(2, 3, 64, 64), "text": model.tokenize(["x", "y"]),
+             "region_boxes": torch.tensor([[0, 4.0, 4, 30, 30], [1, 10, 10, 40, 40], [1, 40, 40, 60, 60]]),
+             "region_text": names[[0, 1, 0]], "region_class": torch.tensor([0, 1, 0])}
+    with torch.no_grad():
+        f = module(batch)
+        boxes = [torch.tensor([[4.0, 4, 30, 30]]), torch.tensor([[10.0, 10, 40, 40], [40, 40, 60, 60]])]
+        assert torch.allclose(f["region"], model.region_features(batch["image"], boxes), atol=1e-6)
+        assert torch.allclose(f["image"], model.encode_image(batch["image"]), atol=1e-6)
+        assert torch.allclose(f["region_text"], model.encode_text(names[[0, 1, 0]], normalize=True), atol=1e-6)
+    terms = PretrainMethod(1.0).loss()(f)
+    assert set(terms) == {"contrastive", "region_text"} and all(torch.isfinite(v) for v in terms.values())
+
+
 # ------------------------------------------------------------------------------------------ pretrain, real weights
 def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_note(tmp_path, monkeypatch):
     """`model.pretrained: local-dir:<folder>` (the real profile's stand-in for ViT-B-16/openai): models/base is

@@ -134,7 +134,8 @@ class ClipModel(nn.Module):
 
     # ---- token-level features ----------------------------------------------------------------------
     def image_features(self, image: torch.Tensor, dense: bool = False) -> dict[str, torch.Tensor]:
-        """One forward: global_ [B,D] normalised, patches [B,P,D] projected, hidden [B,P,W] pre-ln_post.
+        """One forward: global_ [B,D] normalised (global_raw: before the L2), patches [B,P,D] projected, hidden
+        [B,P,W] pre-ln_post.
 
         `dense=True` adds `dense` [B,D,gh,gw] (MaskCLIP) from the same trunk (blocks 0..L-2 shared).
         """
@@ -143,7 +144,7 @@ class ClipModel(nn.Module):
         out = visual.forward_intermediates(image.to(self.input_dtype), indices=[last - 1, last] if dense else [last],
                                            output_fmt="NLC", output_extra_tokens=dense)
         hidden = out["image_intermediates"][-1]
-        features = {"global_": F.normalize(out["image_features"], dim=-1),
+        features = {"global_": F.normalize(out["image_features"], dim=-1), "global_raw": out["image_features"],
                     "patches": self.vision.head(hidden),
                     "hidden": hidden}
         if dense:

@@ -10,6 +10,13 @@ softmax cross-entropy against the multi-hot row divided by its sum (1/k on each 
 "Exploring the limits of weakly supervised pretraining", found it better than per-label binary losses, and here it
 learns shape faster than binary cross-entropy); the contrastive stage then trains both towers from these weights.
 
+Region term (`regions`, optional): the same head also reads each object's region feature (`region_features`: the
+MaskCLIP dense map RoIAligned to the object's box, L2-normalised, times a learnt scale) and predicts that object's
+labels. Contrastive pretraining trains only the pooled CLS embedding; without this term the dense features that
+box classification and region-level methods read never learn what sits where (box top-1 26% on 8 shapes while
+whole-image zero-shot reached 92%, #22). A detector-style start, as CLIPs initialised from supervised backbones
+have; with regions every image takes part (the image term only on images with labels).
+
 AdamW (open_clip's parameter groups for the tower: no decay on gains, biases and embeddings) with linear warm-up and
 cosine decay; batches drawn with a generator seeded by `seed`, so the result is a function of the inputs.
 """
@@ -29,17 +36,22 @@ log = logging.getLogger("clipfinetune.train")
 
 def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: int, lr: float, batch_size: int,
                  warmup: int = 0, wd: float = 0.0, seed: int = 0,
-                 normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch) -> list[float]:
+                 normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
+                 regions: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[float]:
     """Train `model`'s image tower for `steps` steps on (images, multi-hot labels [N, V]); returns the loss curve.
-    Batches are drawn from the images with at least one label.
+    Batches are drawn from the images with at least one label, or from every image when `regions` (per image:
+    boxes [k, 4] xyxy in input pixels, multi-hot labels [k, V]) adds the region term.
 
     `images` are stored batches that `normalize` turns into model input (`CaptionPairSource.images`/`.normalize`).
     """
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} label rows")
-    labelled = torch.nonzero(labels.sum(1) > 0).flatten()          # images without labels take no part
-    if len(labelled) == 0:
+    has_label = labels.sum(1) > 0
+    if not has_label.any():
         raise ValueError("no image has a label")
+    if regions is not None and len(regions) != len(images):
+        raise ValueError(f"{len(images)} images but {len(regions)} region lists")
+    pool = torch.arange(len(images)) if regions is not None else torch.nonzero(has_label).flatten()
     if steps < 1:
         return []
     visual = model.clip.visual
@@ -49,7 +61,9 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
     with torch.no_grad():                       # the head's init from the same seed (not the global RNG)
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) * model.embed_dim ** -0.5)
         head.bias.zero_()
-    groups = parameter_groups(visual, lr, wd) + [{"params": list(head.parameters()), "weight_decay": 0.0}]
+    region_scale = nn.Parameter(torch.tensor(10.0, device=device))   # cosine-classifier scale of the region term
+    extra = list(head.parameters()) + ([region_scale] if regions is not None else [])
+    groups = parameter_groups(visual, lr, wd) + [{"params": extra, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6)
     was_training = model.training
     model.train()
@@ -57,16 +71,32 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr * cosine_with_warmup(step, warmup, steps)
-        idx = labelled[torch.randint(len(labelled), (min(batch_size, len(labelled)),), generator=g)]
-        logits = head(model.encode_image(normalize(images[idx]).to(device), normalize=False))
-        target = labels[idx].to(device, logits.dtype)
-        loss = -(target / target.sum(1, keepdim=True) * F.log_softmax(logits, dim=1)).sum(1).mean()
+        idx = pool[torch.randint(len(pool), (min(batch_size, len(pool)),), generator=g)]
+        batch = normalize(images[idx]).to(device)
+        if regions is None:
+            logits = head(model.encode_image(batch, normalize=False))
+            loss = _soft_cross_entropy(logits, labels[idx].to(device, logits.dtype))
+        else:                   # one forward for both terms (the dense map shares blocks 0..L-2 with the embedding)
+            features = model.image_features(batch, dense=True)
+            rows = has_label[idx].to(device)
+            loss = torch.zeros((), device=device)
+            if rows.any():
+                logits = head(features["global_raw"][rows])
+                loss = loss + _soft_cross_entropy(logits, labels[idx][has_label[idx]].to(device, logits.dtype))
+            region = model.pool_regions(features["dense"], [regions[int(i)][0].to(device) for i in idx])
+            target = torch.cat([regions[int(i)][1] for i in idx]).to(device, region.dtype)
+            loss = loss + _soft_cross_entropy(head(region * region_scale), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        curve.append(float(loss))
+        curve.append(loss.item())
         if (step + 1) % 50 == 0 or step + 1 == steps:
             log.info("label warm-up step %d/%d: loss %.4f", step + 1, steps, curve[-1])
     optimizer.zero_grad(set_to_none=True)
     model.train(was_training)
     return curve
+
+
+def _soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against each multi-hot row divided by its sum (1/k on each of its k labels)."""
+    return -(target / target.sum(1, keepdim=True) * F.log_softmax(logits, dim=1)).sum(1).mean()

@@ -17,7 +17,11 @@ apart, while the mixed part keeps colour worth learning. Contrastive pretraining
 settles on colour, the fast feature, and stays shape-blind; batches of one colour alone forget colour (issue 22).
 
 Labels (`label_key`): the record's list of names under that `extra` (`images[]`) key as a multi-hot row of
-`labels` (columns: `label_names`, sorted), for the image tower's label warm-up (`train.label_warmup`).
+`labels` (columns: `label_names`, sorted), for the image tower's label warm-up (`train.label_warmup`). Regions
+(`region_key`): the record's list of `{"box": xyxy pixels, "labels": [names]}` under that key, as boxes in
+model-input pixels and multi-hot rows over the same columns (the warm-up's region term); each entry's `text`
+names the object, and every batch then carries its objects' boxes (`region_boxes` [K, 5]: batch row, xyxy), names'
+tokens (`region_text`) and name ids (`region_class`, into `region_texts`) for pretraining's region-text term.
 """
 from __future__ import annotations
 
@@ -26,13 +30,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torchvision import transforms as T
 
+from clipfinetune.boxes import resize_boxes
 from clipfinetune.io import InputError
 
 
 class CaptionPairSource:
     def __init__(self, records: list, transform: Callable, tokenize: Callable, batch_size: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, group_key: str = "", group_share: float = 0.0,
-                 label_key: str = ""):
+                 label_key: str = "", region_key: str = ""):
         if not 0.0 <= group_share <= 1.0:
             raise ValueError(f"group_share must lie in [0, 1], got {group_share}")
         records = [r for r in records if r.captions]
@@ -40,9 +45,11 @@ class CaptionPairSource:
             raise InputError("pretrain sources", None, "no records with captions")
         self.image_ids = [r.image_id for r in records]
         to_pixels, self.normalize = split_normalize(transform)
-        pixels, token_sets = [], []
+        pixels, token_sets, sizes = [], [], []
         for r in records:
-            pixels.append(to_pixels(r.read_image()))
+            image = r.read_image()
+            sizes.append(image.size)
+            pixels.append(to_pixels(image))
             token_sets.append(tokenize(list(r.captions)))
         self.images = torch.stack(pixels)
         self.counts = torch.tensor([len(t) for t in token_sets])
@@ -72,6 +79,41 @@ class CaptionPairSource:
             for row, r in enumerate(records):
                 for name in r.extra[label_key]:
                     self.labels[row, column[str(name)]] = 1.0
+        # per image: (boxes [k, 4] xyxy in model-input pixels, multi-hot labels [k, V]) of its objects, and their
+        # names' tokens [k, L] and ids [k] into `region_texts` (sorted distinct names)
+        self.regions: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.region_texts: list[str] = []
+        self.region_tokens: list[torch.Tensor] = []
+        self.region_classes: list[torch.Tensor] = []
+        if region_key:
+            if not label_key:
+                raise ValueError("region labels need a label_key (their columns are label_names)")
+            input_size = tuple(self.images.shape[-2:])
+            texts = []
+            for r, wh in zip(records, sizes):
+                regions = r.extra.get(region_key)
+                if not isinstance(regions, list):
+                    raise InputError(r.origin, r.image_id, f"image has no {region_key!r} list (label warm-up)")
+                boxes = torch.zeros(len(regions), 4)
+                rows = torch.zeros(len(regions), len(self.label_names))
+                for k, region in enumerate(regions):
+                    try:
+                        boxes[k] = torch.tensor(region["box"], dtype=torch.float32)
+                        for name in region["labels"]:
+                            rows[k, column[str(name)]] = 1.0
+                        texts.append(str(region["text"]))
+                    except (KeyError, TypeError, ValueError) as e:
+                        raise InputError(r.origin, r.image_id, f"bad {region_key!r} entry {region!r}: {e}") from e
+                self.regions.append((resize_boxes(boxes, wh, input_size), rows))
+            self.region_texts = sorted(set(texts))
+            text_id = {t: j for j, t in enumerate(self.region_texts)}
+            tokens = tokenize(self.region_texts) if texts else None
+            start = 0
+            for boxes, _ in self.regions:
+                ids = torch.tensor([text_id[t] for t in texts[start:start + len(boxes)]], dtype=torch.long)
+                start += len(boxes)
+                self.region_classes.append(ids)
+                self.region_tokens.append(tokens[ids] if len(ids) else tokens[:0])
 
     def __len__(self) -> int:
         return len(self.image_ids) // (self.batch_size * self.world_size)
@@ -115,7 +157,14 @@ class CaptionPairSource:
         step = self.batch_size * self.world_size
         for i in range(start, len(self)):
             idx = order[i * step + self.rank * self.batch_size:i * step + (self.rank + 1) * self.batch_size]
-            yield {"image": self.normalize(self.images[idx]), "text": self.tokens[idx, caption[idx]]}
+            batch = {"image": self.normalize(self.images[idx]), "text": self.tokens[idx, caption[idx]]}
+            if self.regions:          # every object of the batch: [batch row, xyxy], its name's tokens and id
+                rows = [torch.cat([torch.full((len(self.regions[i][0]), 1), float(b)), self.regions[i][0]], 1)
+                        for b, i in enumerate(idx.tolist())]
+                batch["region_boxes"] = torch.cat(rows)
+                batch["region_text"] = torch.cat([self.region_tokens[i] for i in idx.tolist()])
+                batch["region_class"] = torch.cat([self.region_classes[i] for i in idx.tolist()])
+            yield batch
 
 
 def split_normalize(transform: Callable) -> tuple[Callable, Callable]:
