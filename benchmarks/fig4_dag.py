@@ -6,10 +6,10 @@ no data/, models/, dvc.lock, caches) are copied into a temporary folder, `git in
 process tree, polled every 5 s (peak), per stage and overall; PSS splits each shared page among the processes
 that map it, so a training run's forked loader workers and the CUDA build of torch's shared libraries are
 counted once, where a sum of RSS counts them in every process (it read 5.0 GB for the same DAG). The largest
-single-process RSS is kept as information. Goals: <= 20 min, < 4 GB.
+single-process RSS is kept as information. Goals (issue #22): <= 25 min, < 4 GB.
 
 Per stage: the time from its "Running stage" line in dvc's log to the next one (so DVC's own bookkeeping between
-stages counts against the stage before it), summed per group against a budget that adds up to the 20 minutes.
+stages counts against the stage before it), summed per group against a budget that adds up to the 25 minutes.
 """
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ RAN = re.compile(r"Running stage '([^']+)'")
 # 22.9 min with RSS polling (train stages +22%): the likely cost of that parsing. So memory is sampled every 5 s
 # (a stage shorter than that may show no sample); the log is still read every 0.5 s.
 MEM_EVERY_S = 5.0
-# Seconds per stage group on 2 idle cores; they add up to the DAG's 20-minute goal.
-BUDGET = {"sample": 15, "word_regions": 15, "sentences": 15, "segments": 35, "lism": 35, "negatives": 40,
-          "shards": 25, "pretrain": 160, "train@*": 600, "eval@*": 250, "report": 15}
+# Seconds per stage group on 2 idle cores; they add up to the DAG's 25-minute goal (#22: the competent base's
+# pretraining takes ~8 of them, so the rest keeps what the 20-minute DAG before it had or less).
+BUDGET = {"sample": 35, "word_regions": 10, "sentences": 10, "segments": 15, "lism": 40, "negatives": 30,
+          "shards": 15, "pretrain": 500, "train@*": 600, "benchmarks": 10, "eval@*": 220, "report": 15}
+GOAL_MIN = sum(BUDGET.values()) / 60
 
 
 def group(stage: str) -> str:
@@ -131,7 +133,8 @@ def figure(keep: bool = False, log=print) -> list[Row]:
                              "peak_pss_gb": {k: m for k, m in res["peak_pss_gb"].items() if group(k) == g}},
                             ["'Running stage' lines of the same `dvc repro` log, polled every 0.5 s"]))
         return rows + [
-            Row("4 whole DAG from scratch (min)", wall / 60, 20.0, wall / 60 / 20.0, "<= 20 min", ok and wall <= 1200,
+            Row("4 whole DAG from scratch (min)", wall / 60, GOAL_MIN, wall / 60 / GOAL_MIN, f"<= {GOAL_MIN:.0f} min",
+                ok and wall <= GOAL_MIN * 60,
                 "min", {"returncode": rc, "log_tail": tail if not ok else "", "kept_at": str(tmp) if keep else ""},
                 [f"copy of the repo into {tmp}; git init; {' '.join(cmd)}"]),
             Row("4 whole DAG peak memory (GB, PSS)", gb, 4.0, gb / 4.0, "< 4 GB", ok and gb < 4.0, "GB",

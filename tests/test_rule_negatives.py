@@ -93,3 +93,20 @@ def test_replace_keeps_inflection_and_casing():
         changed = set(words(neg)) - set(words("Three dogs chase two cats in a garden."))
         if changed & {w for w in changed if wordnet().synsets(w, "n")} and "dogs" not in neg:
             assert any(w.endswith("s") for w in changed) or " " in neg  # the plural survives
+
+
+def test_captions_naming_the_same_word_share_its_weighted_candidates():
+    # memory: every caption's replaceable element used to carry its own tuple of cumulative weights (thousands of
+    # co-hyponyms each), and a loader worker grew by ~0.2 GB per 1,400 captions; one tuple per word is enough
+    import itertools
+
+    from clipfinetune.data.negatives import rules
+
+    a = rules._analyse("a red dog sitting on a blue chair")
+    b = rules._analyse("a green dog standing next to the table")
+    dog_a = next(e for e in a.elements if e.text == "dog")
+    dog_b = next(e for e in b.elements if e.text == "dog")
+    assert dog_a.cum_weights is dog_b.cum_weights and dog_a.candidates is dog_b.candidates
+    names, weights = rules.replacement_candidates("dog", "n")
+    assert dog_a.candidates == names
+    assert dog_a.cum_weights == tuple(itertools.accumulate(weights))
