@@ -230,6 +230,14 @@ def test_caption_source_maps_region_boxes_to_model_input_and_serves_them_with_ea
                     for row, i in enumerate(ids) for k in range(len(source.regions[source.image_ids.index(str(i))][0]))]
         assert [(int(b[0]), b[1:].tolist()) for b in batch["region_boxes"]] == expected
         assert len(batch["region_text"]) == len(batch["region_class"]) == len(expected)
+    # an object label that no image-level label row holds (labels come from one-object images only) gets a column
+    coco["images"][4]["regions"].append({"box": [0, 4, 4, 8], "labels": ["cross", "red"], "text": "a red cross"})
+    captions.write_text(json.dumps(coco))
+    source = CaptionPairSource(_records(captions, images), to_16, _tokenize_any, batch_size=8, label_key="labels",
+                               region_key="regions")
+    assert source.label_names == ["blue", "cross", "green", "red", "ring", "star"]
+    assert source.regions[four][1][2].tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    assert source.labels[:, 1].sum() == 0                                  # no image-level row names it
     del coco["images"][5]["regions"]
     captions.write_text(json.dumps(coco))
     with pytest.raises(InputError, match="regions"):

@@ -73,7 +73,11 @@ class CaptionPairSource:
             for r in records:
                 if not isinstance(r.extra.get(label_key), list):
                     raise InputError(r.origin, r.image_id, f"image has no {label_key!r} list (label warm-up)")
-            self.label_names = sorted({str(x) for r in records for x in r.extra[label_key]})
+            names = {str(x) for r in records for x in r.extra[label_key]}
+            if region_key:              # an object's labels may name what no one-object image shows (a small world)
+                names |= {str(x) for r in records for region in (r.extra.get(region_key) or [])
+                          if isinstance(region, dict) and isinstance(region.get("labels"), list) for x in region["labels"]}
+            self.label_names = sorted(names)
             column = {name: j for j, name in enumerate(self.label_names)}
             self.labels = torch.zeros(len(self.image_ids), len(self.label_names))
             for row, r in enumerate(records):
