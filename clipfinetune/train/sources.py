@@ -128,7 +128,7 @@ class CaptionPairSource:
         of the images not yet used fills it; positions inside each global batch are shuffled (ranks get mixes)."""
         n, step = len(self.image_ids), self.batch_size * self.world_size
         perm = torch.randperm(n, generator=g)
-        k = int(round(self.group_share * step))
+        k = round(self.group_share * step)
         if not self.groups or k == 0:
             return perm
         n_batches = len(self)

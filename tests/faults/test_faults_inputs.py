@@ -236,6 +236,6 @@ def test_corrupt_and_missing_images_are_skipped_and_counted(tiny_project, tmp_pa
 
     # pretrain reads its own split's images itself: a clear error naming the corrupt one
     pre = {i["id"]: i["file_name"] for i in load(proj, PRETRAIN_CAPTIONS)["images"]}
-    victim = sorted(pre)[0]
+    victim = min(pre)
     corrupt_jpeg(proj / "data/sample/images/pretrain" / pre[victim])
     assert_stages_fail_naming(inprocess, proj, ("pretrain",), pre[victim], victim)
