@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 # ends with the summary table and the claims with their CIs (reports/summary.md has the deltas and plots)
 run: setup
-	source $(BIN)/activate && dvc repro && python -m clipfinetune.eval.report metrics/summary.json
+	source $(BIN)/activate && dvc repro && python -m clipfinetune.report.summary metrics/summary.json
 
 # K fine-tuning seeds (train.seed = 0..K-1) through DVC's experiment queue -> reports/seeds.md, metrics/seeds.json
 # (mean ± sd per claim). After `make run` with the baseline committed; see stages/seeds.py.

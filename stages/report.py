@@ -10,9 +10,9 @@ from pathlib import Path
 import _common  # noqa: F401
 from _common import start
 
-from clipfinetune.eval.plots import write_plots
-from clipfinetune.eval.report import load_items, load_metrics, render_markdown, summarize
 from clipfinetune.io import InputError, atomic_path, write_json
+from clipfinetune.report.plots import write_plots
+from clipfinetune.report.summary import load_items, load_metrics, render_markdown, summarize
 
 
 def main() -> None:

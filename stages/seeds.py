@@ -3,7 +3,7 @@
 Not a DAG stage: it drives the DAG. For each seed it queues `dvc exp run --queue -n seed<N> -S train.seed=<N>`,
 starts the queue (`dvc queue start -j <jobs>`), waits until nothing is queued or running, then reads every
 experiment's metrics/summary.json from `dvc exp show --json` and writes reports/seeds.md and metrics/seeds.json
-(clipfinetune/seeds.py: outside clipfinetune/eval, which every eval@ stage depends on). `train.seed` is declared
+(clipfinetune/report/seeds.py). `train.seed` is declared
 by the train@<run> stages only, so an experiment re-runs the 12 train@ runs, their eval@ stages and report;
 sample, the data stages, pretrain and eval@base come from the cache. Run from the project root after `make run` (the baseline must be committed: experiments start from HEAD):
     python stages/seeds.py --k 3              # seeds 0 1 2 (`make seeds K=3`)
@@ -21,7 +21,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 
 from clipfinetune.io import atomic_path, write_json
-from clipfinetune.seeds import aggregate, render_markdown, summaries_from_exp_show
+from clipfinetune.report.seeds import aggregate, render_markdown, summaries_from_exp_show
 
 
 def dvc(*args: str) -> str:

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from clipfinetune import registry
-from clipfinetune.eval.report import claim_specs
 from clipfinetune.methods import METHODS, get_method
+from clipfinetune.report.summary import claim_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -1,4 +1,4 @@
-"""Trade-off scatter plots across models (matplotlib Agg), from a `report.summarize` summary.
+"""Trade-off scatter plots across models (matplotlib Agg), from a `summary.summarize` summary.
 
 * compositionality vs retrieval (FSC-CLIP Fig. 1): SugarCrepe mean vs mean of COCO-style R@1;
 * box classification vs retrieval (HarmoCLIP Fig. 1): box top-1 vs mean R@1;

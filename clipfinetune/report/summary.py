@@ -4,7 +4,7 @@ on the evaluated set (the sample world by default), each with a paired-bootstrap
 A claim compares a method with a baseline model on one metric (or a mean of two). Its `difference` is
 method - baseline in the metric's units (points); for `fsc_clip.lhn_keeps_retrieval` it is a difference of
 differences (LHN-only's retrieval drop vs clip minus global-HN-only's). The CI resamples the test items of
-every list the metric reads (`clipfinetune.eval.bootstrap`: the same resamples for every model), recomputing
+every list the metric reads (`clipfinetune.report.bootstrap`: the same resamples for every model), recomputing
 the metric per resample. Verdict:
   holds         the CI lies entirely on the claimed side: > 0 for "beats", < 0 for a smaller drop; for a
                 "kept" claim (method within `margin` points of the baseline) the lower bound is > -margin;
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from clipfinetune.eval import items as item_stats
-from clipfinetune.eval.bootstrap import LEVEL, RESAMPLES, paired_bootstrap
+from clipfinetune.report.bootstrap import LEVEL, RESAMPLES, paired_bootstrap
 
 SATURATION = 99.0
 RETRIEVAL_MARGIN = 2.0
@@ -263,30 +263,28 @@ VERDICT_NOTE = ("Difference = method - baseline in points (for `lhn_keeps_retrie
 
 def render_markdown(summary: dict, plots: list[str] = ()) -> str:
     labels = list(next(iter(summary["headline"].values()), {})) or list(headline_keys(summary["set"]))
-    lines = [f"# Evaluation summary (set `{summary['set']}`)", "",
-             "Each cell: value (Δ vs `base` / Δ vs `clip`), percent. – = not evaluated.", "",
-             "| model | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    rows = []
     for m, row in summary["headline"].items():
         db, dc = summary["delta_vs_base"].get(m, {}), summary["delta_vs_clip"].get(m, {})
-        cells = [f"{_fmt(row[lbl])} ({_fmt(db.get(lbl), True)} / {_fmt(dc.get(lbl), True)})"
-                 if row[lbl] is not None else "–" for lbl in labels]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        rows.append([m] + [f"{_fmt(row[lbl])} ({_fmt(db.get(lbl), True)} / {_fmt(dc.get(lbl), True)})"
+                           if row[lbl] is not None else "–" for lbl in labels])
+    lines = [f"# Evaluation summary (set `{summary['set']}`)", "",
+             "Each cell: value (Δ vs `base` / Δ vs `clip`), percent. – = not evaluated.", "",
+             *markdown_table(["model", *labels], rows)]
     if summary["missing_models"]:
         lines += ["", "Missing metrics files: " + ", ".join(f"`{m}`" for m in summary["missing_models"])]
     if summary.get("missing_items"):
         lines += ["", "Missing per-item outcomes (no CI): " + ", ".join(f"`{m}`" for m in summary["missing_items"])]
     lines += ["", "## Claims (each paper's headline on this set)", "",
-              "| method | claim | rule | value | baseline | difference | 95% CI | verdict |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += ["| " + " | ".join(r) + " |" for r in claim_rows(summary)]
+              *markdown_table(["method", "claim", "rule", "value", "baseline", "difference", "95% CI", "verdict"],
+                              claim_rows(summary))]
     boot = summary.get("bootstrap", {"level": LEVEL, "n_resamples": RESAMPLES})
     lines += ["", VERDICT_NOTE.format(level=100 * boot["level"], n=boot["n_resamples"])]
     if summary.get("paper"):
         p = summary["paper"]
         lines += ["", f"## The paper's numbers beside ours: {p['paper']}", "",
                   "Gap = ours - paper, points. – = not evaluated here.", "",
-                  "| model | metric | paper | ours | gap | source |", "|---|---|---|---|---|---|"]
-        lines += ["| " + " | ".join(r) + " |" for r in paper_table(p)]
+                  *markdown_table(["model", "metric", "paper", "ours", "gap", "source"], paper_table(p))]
         if p.get("not_listed"):
             lines += ["", f"Not listed: {p['not_listed']}"]
     if plots:
@@ -298,6 +296,11 @@ def paper_table(paper: dict) -> list[list[str]]:
     """model, metric, paper, ours, gap, source per row of `paper_rows` (strings)."""
     return [[r["model"], r["metric"], _fmt(r["paper"]), _fmt(r["ours"]), _fmt(r["gap"], True), r["source"]]
             for r in paper["rows"]]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A GitHub-markdown table's lines (the summary's and the seed spread's)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -323,7 +326,7 @@ def render_text(summary: dict) -> str:
                       + head + ["", f"Claims ({tally})", ""] + claim + paper) + "\n"
 
 
-if __name__ == "__main__":      # python -m clipfinetune.eval.report [metrics/summary.json]
+if __name__ == "__main__":      # python -m clipfinetune.report.summary [metrics/summary.json]
     import sys
 
     print(render_text(json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "metrics/summary.json").read_text())),

@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from clipfinetune.eval import plots, report
 from clipfinetune.eval.items import Items, to_frame
+from clipfinetune.report import plots
+from clipfinetune.report import summary as report
 
 N = 40
 HALF = np.tile([1.0, 0.0], N // 2)                 # every other item right: 50%
@@ -180,3 +181,43 @@ def test_the_papers_numbers_stand_beside_ours_with_the_gap():
     assert "Not listed: VALSE counting" in md
     assert "-2.5" in report.render_text(summary)
     assert "paper" not in report.summarize(models, "real")          # no recipe paper: no section
+
+
+def test_editing_the_report_re_runs_report_alone():
+    """clipfinetune/report is a dependency of stage `report` only, and needs nothing of clipfinetune/eval beyond
+    the declared items.py: a claim or plot edit must not re-run the 13 eval@ stages (nor leave `report` stale)."""
+    import ast
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    report_files = sorted(str(p.relative_to(root)) for p in (root / "clipfinetune/report").rglob("*.py"))
+    assert "clipfinetune/report/summary.py" in report_files
+
+    def covers(dep: str, f: str) -> bool:
+        return f == dep or f.startswith(dep.rstrip("/") + "/")
+
+    for name, stage in stages.items():
+        deps = [d for d in (stage.get("do", stage).get("deps") or []) if isinstance(d, str)]
+        covered = [f for f in report_files if any(covers(d, f) for d in deps)]
+        assert covered == (report_files if name == "report" else []), name
+
+    def imported(path: Path) -> set[str]:
+        """Every clipfinetune module a file imports (`from a.b import c` -> a.b.c when that is a module)."""
+        found = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Import):
+                found |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                found |= {f"{n.module}.{a.name}" if (root / f"{n.module}.{a.name}".replace(".", "/")).with_suffix(
+                    ".py").exists() else n.module for a in n.names}
+        return {m for m in found if m.startswith("clipfinetune.")}
+
+    for f in (root / "clipfinetune/eval").rglob("*.py"):
+        assert not any(m.startswith("clipfinetune.report") for m in imported(f)), f
+    report_deps = stages["report"]["deps"]
+    for f in report_files:
+        for m in imported(root / f) - {"clipfinetune.io"}:      # the atomic writers, undeclared by every stage
+            assert any(covers(d, m.replace(".", "/") + ".py") for d in report_deps), (f, m)

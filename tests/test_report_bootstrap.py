@@ -1,8 +1,8 @@
-"""The paired bootstrap (clipfinetune/eval/bootstrap.py): a hand-computed interval, pairing, determinism."""
+"""The paired bootstrap (clipfinetune/report/bootstrap.py): a hand-computed interval, pairing, determinism."""
 import numpy as np
 import pytest
 
-from clipfinetune.eval.bootstrap import paired_bootstrap, resample_indices
+from clipfinetune.report.bootstrap import paired_bootstrap, resample_indices
 
 
 def _mean_of(values):

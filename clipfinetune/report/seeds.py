@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from clipfinetune.report.summary import markdown_table
+
 SUMMARY = "metrics/summary.json"
 FIELDS = ("value", "baseline", "difference")
 
@@ -54,19 +56,17 @@ def _ms(d: dict, signed: bool = False) -> str:
 
 def render_markdown(agg: dict) -> str:
     names = ", ".join(f"`{e}`" for e in agg["experiments"])
+    claims = [[method, name, c["rule"], _ms(c["value"]), _ms(c["baseline"]), _ms(c["difference"], True),
+               ", ".join(f"{v} {n}" for v, n in c["verdicts"].items())]
+              for method, cs in agg["claims"].items() for name, c in cs.items()]
+    labels = list(dict.fromkeys(lbl for row in agg["headline"].values() for lbl in row))
+    headline = [[model] + [_ms(row[lbl]) if lbl in row else "–" for lbl in labels]
+                for model, row in agg["headline"].items()]
     lines = [f"# Seed spread ({agg['n_experiments']} experiments: {names}; set `{agg['set']}`)", "",
              "mean ± sd across experiments (sample sd). Verdicts: how many experiments gave each.", "",
-             "## Claims", "", "| method | claim | rule | value | baseline | difference | verdicts |",
-             "|---|---|---|---|---|---|---|"]
-    for method, cs in agg["claims"].items():
-        for name, c in cs.items():
-            verdicts = ", ".join(f"{v} {n}" for v, n in c["verdicts"].items())
-            lines.append(f"| {method} | {name} | {c['rule']} | {_ms(c['value'])} | {_ms(c['baseline'])} | "
-                         f"{_ms(c['difference'], True)} | {verdicts} |")
-    labels = list(dict.fromkeys(lbl for row in agg["headline"].values() for lbl in row))
-    lines += ["", "## Headline metrics", "", "| model | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-    for model, row in agg["headline"].items():
-        lines.append(f"| {model} | " + " | ".join(_ms(row[lbl]) if lbl in row else "–" for lbl in labels) + " |")
+             "## Claims", "",
+             *markdown_table(["method", "claim", "rule", "value", "baseline", "difference", "verdicts"], claims),
+             "", "## Headline metrics", "", *markdown_table(["model", *labels], headline)]
     return "\n".join(lines) + "\n"
 
 

@@ -1,10 +1,10 @@
-"""Seed aggregation (clipfinetune/seeds.py) on synthetic `dvc exp show --json` output: no training."""
+"""Seed aggregation (clipfinetune/report/seeds.py) on synthetic `dvc exp show --json` output: no training."""
 import json
 import math
 
 import pytest
 
-from clipfinetune import seeds
+from clipfinetune.report import seeds
 
 
 def summary(value, baseline, verdict, ret):
