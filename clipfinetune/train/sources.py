@@ -67,17 +67,19 @@ class CaptionPairSource:
                     raise InputError(r.origin, r.image_id, f"image has no {group_key!r} (one-group batch share)")
                 members.setdefault(r.extra[group_key], []).append(i)
             self.groups = [torch.tensor(v) for _, v in sorted(members.items(), key=lambda kv: str(kv[0]))]
+        if region_key and not label_key:
+            raise ValueError("region labels need a label_key (their columns are label_names)")
         self.label_names: list[str] = []
         self.labels = torch.zeros(len(self.image_ids), 0)
+        objects: list[list[tuple[list, list[str], str]]] = []
         if label_key:                   # multi-hot [N, V] over the sorted names found (`label_warmup`)
             for r in records:
                 if not isinstance(r.extra.get(label_key), list):
                     raise InputError(r.origin, r.image_id, f"image has no {label_key!r} list (label warm-up)")
-            names = {str(x) for r in records for x in r.extra[label_key]}
-            if region_key:              # an object's labels may name what no one-object image shows (a small world)
-                names |= {str(x) for r in records for region in (r.extra.get(region_key) or [])
-                          if isinstance(region, dict) and isinstance(region.get("labels"), list) for x in region["labels"]}
-            self.label_names = sorted(names)
+            objects = [_objects(r, region_key) for r in records] if region_key else []
+            # an object's labels may name what no one-object image shows (a small world): they get columns too
+            self.label_names = sorted({str(x) for r in records for x in r.extra[label_key]}
+                                      | {name for objs in objects for _, names, _ in objs for name in names})
             column = {name: j for j, name in enumerate(self.label_names)}
             self.labels = torch.zeros(len(self.image_ids), len(self.label_names))
             for row, r in enumerate(records):
@@ -90,24 +92,19 @@ class CaptionPairSource:
         self.region_tokens: list[torch.Tensor] = []
         self.region_classes: list[torch.Tensor] = []
         if region_key:
-            if not label_key:
-                raise ValueError("region labels need a label_key (their columns are label_names)")
             input_size = tuple(self.images.shape[-2:])
             texts = []
-            for r, wh in zip(records, sizes):
-                regions = r.extra.get(region_key)
-                if not isinstance(regions, list):
-                    raise InputError(r.origin, r.image_id, f"image has no {region_key!r} list (label warm-up)")
-                boxes = torch.zeros(len(regions), 4)
-                rows = torch.zeros(len(regions), len(self.label_names))
-                for k, region in enumerate(regions):
+            for r, objs, wh in zip(records, objects, sizes):
+                boxes = torch.zeros(len(objs), 4)
+                rows = torch.zeros(len(objs), len(self.label_names))
+                for k, (box, names, text) in enumerate(objs):
                     try:
-                        boxes[k] = torch.tensor(region["box"], dtype=torch.float32)
-                        for name in region["labels"]:
-                            rows[k, column[str(name)]] = 1.0
-                        texts.append(str(region["text"]))
-                    except (KeyError, TypeError, ValueError) as e:
-                        raise InputError(r.origin, r.image_id, f"bad {region_key!r} entry {region!r}: {e}") from e
+                        boxes[k] = torch.tensor(box, dtype=torch.float32)
+                    except (TypeError, ValueError) as e:
+                        raise InputError(r.origin, r.image_id, f"bad {region_key!r} box {box!r}: {e}") from e
+                    for name in names:
+                        rows[k, column[name]] = 1.0
+                    texts.append(text)
                 self.regions.append((resize_boxes(boxes, wh, input_size), rows))
             self.region_texts = sorted(set(texts))
             text_id = {t: j for j, t in enumerate(self.region_texts)}
@@ -189,3 +186,20 @@ def split_normalize(transform: Callable) -> tuple[Callable, Callable]:
         return batch.float().div(255).sub_(mean).div_(std)
 
     return to_pixels, normalize
+
+
+def _objects(record, key: str) -> list[tuple[list, list[str], str]]:
+    """(box, label names, name) of each object in `record.extra[key]`: the one place a region entry is checked, with
+    an error naming the record."""
+    regions = record.extra.get(key)
+    if not isinstance(regions, list):
+        raise InputError(record.origin, record.image_id, f"image has no {key!r} list (label warm-up)")
+    out = []
+    for region in regions:
+        try:
+            if not isinstance(region["labels"], list):
+                raise TypeError("'labels' is not a list")
+            out.append((region["box"], [str(name) for name in region["labels"]], str(region["text"])))
+        except (KeyError, TypeError) as e:
+            raise InputError(record.origin, record.image_id, f"bad {key!r} entry {region!r}: {e}") from e
+    return out
