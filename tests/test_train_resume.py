@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import torch
@@ -43,6 +44,27 @@ def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_
     # the dvclive history is continuous: steps 1..15 once each, equal to the uninterrupted run's losses
     assert loss_history(tmp_path / "resumed" / "live") == loss_history(tmp_path / "straight" / "live")
     assert [s for s, _ in loss_history(tmp_path / "resumed" / "live")] == list(range(1, 16))
+
+
+def test_resume_after_a_kill_mid_write_of_the_dvclive_files(tmp_path):
+    # dvclive writes in place: a SIGKILL can leave metrics.json empty and a metric row or header cut short
+    _, straight = run(tmp_path, "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "resumed", crash_at=(1, 5))
+    live = tmp_path / "resumed" / "live"
+    (live / "metrics.json").write_text("")
+    loss = live / "plots" / "metrics" / "loss.tsv"
+    loss.write_text(loss.read_text() + "17321\t1")                  # a row cut inside its step field
+    lr = live / "plots" / "metrics" / "lr.tsv"
+    lr.write_text("timest")                                          # a file cut inside its header
+    trainer, resumed = run(tmp_path, "resumed")
+    assert trainer.resumed and trainer.step == 15
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert loss_history(live) == loss_history(tmp_path / "straight" / "live")
+    with open(lr) as f:
+        assert [int(r["step"]) for r in csv.DictReader(f, delimiter="\t")] == list(range(5, 16))
+    assert json.loads((live / "metrics.json").read_text())["step"] == 15
 
 
 def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):

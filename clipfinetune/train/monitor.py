@@ -6,12 +6,15 @@ samples of the step / its wall time including the data wait, as open_clip) and `
 
 `Live(dvcyaml=False, save_dvc_exp=False)`: dvc.yaml declares the plots itself, so dvclive never rewrites the
 tracked pipeline file mid-repro. When resuming, rows logged after the checkpoint by the interrupted run are
-dropped first, so the curves stay one continuous, duplicate-free history.
+dropped first, so the curves stay one continuous, duplicate-free history. dvclive writes its files in place, so a
+run killed mid-write can leave a cut last row or a cut `metrics.json`; both are dropped before dvclive reads them
+(the summary is rewritten at the next logged step).
 """
 from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 from pathlib import Path
 
@@ -27,7 +30,7 @@ class Monitor:
             from dvclive import Live
 
             if resume:
-                truncate_history(live_dir, start_step)
+                repair_history(live_dir, start_step)
             self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False, resume=resume, report=None)
         from tqdm.auto import tqdm
 
@@ -51,16 +54,27 @@ class Monitor:
             self.live.end()
 
 
-def truncate_history(live_dir: str | os.PathLike, last_step: int) -> None:
-    """Drop rows with step > last_step from every dvclive metric file (the interrupted run's tail)."""
+def repair_history(live_dir: str | os.PathLike, last_step: int) -> None:
+    """Make an interrupted run's dvclive folder resumable at `last_step`: drop every metric row with a larger
+    step, any row a kill cut short, and a summary file that no longer parses."""
     for tsv in Path(live_dir, "plots", "metrics").rglob("*.tsv"):
         text = tsv.read_text()
-        rows = list(csv.reader(io.StringIO(text), delimiter="\t"))
-        if not rows or "step" not in rows[0]:
+        complete = text[:text.rfind("\n") + 1]                 # a last line without its newline was cut short
+        rows = list(csv.reader(io.StringIO(complete), delimiter="\t"))
+        if not rows:                                            # even the header was cut: dvclive writes it anew
+            tsv.unlink()
+            continue
+        if "step" not in rows[0]:
             continue
         col = rows[0].index("step")
-        kept = [rows[0]] + [r for r in rows[1:] if r and int(float(r[col])) <= last_step]
-        if len(kept) != len(rows):
+        kept = [rows[0]] + [r for r in rows[1:] if len(r) == len(rows[0]) and int(float(r[col])) <= last_step]
+        if len(kept) != len(rows) or complete != text:
             out = io.StringIO()
             csv.writer(out, delimiter="\t", lineterminator="\n").writerows(kept)
             tsv.write_text(out.getvalue())
+    summary = Path(live_dir, "metrics.json")
+    if summary.exists():
+        try:
+            json.loads(summary.read_text())
+        except ValueError:
+            summary.unlink()
