@@ -94,7 +94,7 @@ def main() -> None:
             label_warmup(model, source.images, source.labels, steps=label_steps,
                          lr=float(settings["label_warmup_lr"]), batch_size=cfg.batch_size, warmup=cfg.warmup,
                          wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
-                         regions=source.regions if warmup_regions else None)
+                         regions=source.regions if warmup_regions else None, precision=cfg.precision)
         trainer.fit()
         if dist.is_main:
             export_model(model, out)

@@ -84,7 +84,7 @@ def test_repro_eval_clip_runs_exactly_the_stages_it_needs(real):
     assert skipped["pretrained"] == f"local-dir:{WEIGHTS}"
     assert not (repo / "checkpoints" / "pretrain").exists()
     assert [p.name for p in (repo / "dvclive" / "pretrain").iterdir()] == ["skipped.json"]
-    assert "training in fp32" in real["log"]                             # bf16 on CPU falls back, and says so
+    assert "precision bf16: bf16 autocast on cpu" in real["log"]          # the recipes' bf16, on CPU too
 
 
 def test_the_base_model_is_the_given_weights_unchanged(real):

@@ -1,6 +1,7 @@
 """The training loop's step: optimisation, accumulation, precision, parameter groups, schedule, hooks, settings."""
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -81,6 +82,22 @@ def test_bf16_autocast_branch_runs_a_step_on_cpu():
     assert seen == {"autocast": True, "dtype": torch.bfloat16}
     assert math.isfinite(scalars["loss"])
     assert any(not torch.equal(p, before[n]) for n, p in trainer.module.named_parameters())
+
+
+def test_bf16_on_cpu_is_kept_and_emulated_bf16_is_named(monkeypatch, caplog):
+    from clipfinetune.train import config as train_config
+
+    cpu = torch.device("cpu")
+    assert train_config.resolve_precision("fp32", cpu) == "fp32"
+    log = logging.getLogger("test-precision")
+    monkeypatch.setattr(train_config, "cpu_has_native_bf16", lambda: True)
+    with caplog.at_level(logging.WARNING):
+        assert train_config.resolve_precision("bf16", cpu, log) == "bf16"
+    assert not caplog.records                                              # native: no warning
+    monkeypatch.setattr(train_config, "cpu_has_native_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        assert train_config.resolve_precision("bf16", cpu, log) == "bf16"       # the same result, only slower
+    assert "emulated" in caplog.text
 
 
 def test_logit_scale_is_clamped_to_ln_100_after_each_step_and_after_step_hook_runs():

@@ -21,6 +21,7 @@ from PIL import Image
 
 from clipfinetune.boxes import resize_boxes
 from clipfinetune.io import InputError, read_image
+from clipfinetune.models.clip_model import PAD_ID
 
 ImageKey = tuple  # (path: str, crop: tuple[float, float, float, float] | None)
 
@@ -127,11 +128,15 @@ class Encoder:
         """[N, D] L2-normalised text embeddings (the model's own tokenizer and context length)."""
         texts = [str(t) for t in texts]
         todo = list(dict.fromkeys(t for t in texts if t not in self._texts))
-        for s in range(0, len(todo), self.batch_size):
-            chunk = todo[s:s + self.batch_size]
-            tok = self.model.tokenize(chunk).to(self._device())
-            emb = F.normalize(self.model.encode_text(tok, normalize=True).float(), dim=-1).cpu()
-            self._texts.update(zip(chunk, emb))
+        if todo:
+            # batches of similar token counts: the text trunk runs each batch at its longest text (exact under the
+            # causal mask), so mixed lengths spend most of their work on padding
+            tokens = self.model.tokenize(todo)
+            order = torch.argsort((tokens != PAD_ID).sum(1), stable=True).tolist()
+            for s in range(0, len(order), self.batch_size):
+                rows = order[s:s + self.batch_size]
+                emb = self.model.encode_text(tokens[rows].to(self._device()), normalize=True)
+                self._texts.update(zip((todo[i] for i in rows), F.normalize(emb.float(), dim=-1).cpu()))
         return torch.stack([self._texts[t] for t in texts]) if texts else torch.zeros(0, 0)
 
     @torch.inference_mode()

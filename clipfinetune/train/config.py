@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -71,9 +73,17 @@ def merge_train_settings(shared: dict, override: dict | None, extra_keys=frozens
 
 
 def resolve_precision(precision: str, device, log=None) -> str:
-    """bf16 autocast is used on CUDA; on CPU the loop trains in fp32 (slow, and what the sample world expects)."""
-    if precision == "bf16" and getattr(device, "type", str(device)) != "cuda":
-        if log is not None:
-            log.info("precision bf16 requested on %s: training in fp32 (bf16 autocast is for CUDA)", device)
-        return "fp32"
+    """bf16 autocast (open_clip_train's `amp_bf16`) on CUDA and on CPU alike. A CPU without native bf16 arithmetic
+    (AVX512-BF16 / AMX) emulates it: the same result, slower than fp32, so say so."""
+    device_type = getattr(device, "type", str(device))
+    if precision == "bf16" and log is not None:
+        if device_type == "cpu" and not cpu_has_native_bf16():
+            log.warning("precision bf16: bf16 autocast on a CPU without native bf16 (no AVX512-BF16/AMX) is "
+                        "emulated, slower than fp32; model.precision: fp32 is faster (and gives other numbers)")
+        else:
+            log.info("precision bf16: bf16 autocast on %s", device_type)
     return precision
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

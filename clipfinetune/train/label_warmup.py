@@ -37,12 +37,13 @@ log = logging.getLogger("clipfinetune.train")
 def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: int, lr: float, batch_size: int,
                  warmup: int = 0, wd: float = 0.0, seed: int = 0,
                  normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
-                 regions: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[float]:
+                 regions: list[tuple[torch.Tensor, torch.Tensor]] | None = None, precision: str = "fp32") -> list[float]:
     """Train `model`'s image tower for `steps` steps on (images, multi-hot labels [N, V]); returns the loss curve.
     Batches are drawn from the images with at least one label, or from every image when `regions` (per image:
     boxes [k, 4] xyxy in input pixels, multi-hot labels [k, V]) adds the region term.
 
     `images` are stored batches that `normalize` turns into model input (`CaptionPairSource.images`/`.normalize`).
+    `precision` "bf16": the forward under bf16 autocast, the loss in fp32 (as the training loop).
     """
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} label rows")
@@ -73,19 +74,21 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
             group["lr"] = lr * cosine_with_warmup(step, warmup, steps)
         idx = pool[torch.randint(len(pool), (min(batch_size, len(pool)),), generator=g)]
         batch = normalize(images[idx]).to(device)
-        if regions is None:
-            logits = head(model.encode_image(batch, normalize=False))
-            loss = _soft_cross_entropy(logits, labels[idx].to(device, logits.dtype))
-        else:                   # one forward for both terms (the dense map shares blocks 0..L-2 with the embedding)
-            features = model.image_features(batch, dense=True)
-            rows = has_label[idx].to(device)
-            loss = torch.zeros((), device=device)
-            if rows.any():
-                logits = head(features["global_raw"][rows])
-                loss = loss + _soft_cross_entropy(logits, labels[idx][has_label[idx]].to(device, logits.dtype))
-            region = model.pool_regions(features["dense"], [regions[int(i)][0].to(device) for i in idx])
-            target = torch.cat([regions[int(i)][1] for i in idx]).to(device, region.dtype)
-            loss = loss + _soft_cross_entropy(head(region * region_scale), target)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            if regions is None:
+                logits = head(model.encode_image(batch, normalize=False)).float()
+                loss = _soft_cross_entropy(logits, labels[idx].to(device, logits.dtype))
+            else:               # one forward for both terms (the dense map shares blocks 0..L-2 with the embedding)
+                features = model.image_features(batch, dense=True)
+                rows = has_label[idx].to(device)
+                loss = torch.zeros((), device=device)
+                if rows.any():
+                    logits = head(features["global_raw"][rows]).float()
+                    loss = loss + _soft_cross_entropy(logits, labels[idx][has_label[idx]].to(device, logits.dtype))
+                region = model.pool_regions(features["dense"], [regions[int(i)][0].to(device) for i in idx])
+                logits = head(region * region_scale).float()
+                target = torch.cat([regions[int(i)][1] for i in idx]).to(device, logits.dtype)
+                loss = loss + _soft_cross_entropy(logits, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
