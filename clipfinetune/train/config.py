@@ -85,5 +85,10 @@ def resolve_precision(precision: str, device, log=None) -> str:
     return precision
 
 
+def autocast(precision: str, device: torch.device):
+    """The forward's precision context: bf16 autocast for "bf16" (the loss then runs on fp32 casts), else none."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def cpu_has_native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

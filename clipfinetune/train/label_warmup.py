@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import autocast
 from .optim import cosine_with_warmup, parameter_groups
 
 log = logging.getLogger("clipfinetune.train")
@@ -74,7 +75,7 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
             group["lr"] = lr * cosine_with_warmup(step, warmup, steps)
         idx = pool[torch.randint(len(pool), (min(batch_size, len(pool)),), generator=g)]
         batch = normalize(images[idx]).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with autocast(precision, device):
             if regions is None:
                 logits = head(model.encode_image(batch, normalize=False)).float()
                 loss = _soft_cross_entropy(logits, labels[idx].to(device, logits.dtype))

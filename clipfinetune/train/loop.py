@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt_io
-from .config import TrainConfig
+from .config import TrainConfig, autocast
 from .distributed import DistInfo, all_gather_objects, all_reduce_mean, current, wrap_ddp
 from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler, parameter_groups
@@ -173,7 +173,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ pieces
     def _forward(self, batch: dict) -> dict:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+        with autocast(self.cfg.precision, self.device):
             features = self.ddp(batch)
         return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in features.items()}
 
