@@ -77,19 +77,18 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
         batch = normalize(images[idx]).to(device)
         with autocast(precision, device):
             if regions is None:
-                logits = head(model.encode_image(batch, normalize=False)).float()
-                loss = _soft_cross_entropy(logits, labels[idx].to(device, logits.dtype))
+                logits = head(model.encode_image(batch, normalize=False))
+                loss = _soft_cross_entropy(logits, labels[idx].to(device))
             else:               # one forward for both terms (the dense map shares blocks 0..L-2 with the embedding)
                 features = model.image_features(batch, dense=True)
                 rows = has_label[idx].to(device)
                 loss = torch.zeros((), device=device)
                 if rows.any():
-                    logits = head(features["global_raw"][rows]).float()
-                    loss = loss + _soft_cross_entropy(logits, labels[idx][has_label[idx]].to(device, logits.dtype))
+                    logits = head(features["global_raw"][rows])
+                    loss = loss + _soft_cross_entropy(logits, labels[idx][has_label[idx]].to(device))
                 region = model.pool_regions(features["dense"], [regions[int(i)][0].to(device) for i in idx])
-                logits = head(region * region_scale).float()
-                target = torch.cat([regions[int(i)][1] for i in idx]).to(device, logits.dtype)
-                loss = loss + _soft_cross_entropy(logits, target)
+                target = torch.cat([regions[int(i)][1] for i in idx]).to(device)
+                loss = loss + _soft_cross_entropy(head(region * region_scale), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -102,5 +101,7 @@ def label_warmup(model, images: torch.Tensor, labels: torch.Tensor, *, steps: in
 
 
 def _soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against each multi-hot row divided by its sum (1/k on each of its k labels)."""
+    """Cross-entropy against each multi-hot row divided by its sum (1/k on each of its k labels), in fp32 whatever
+    the forward's precision."""
+    logits, target = logits.float(), target.float()
     return -(target / target.sum(1, keepdim=True) * F.log_softmax(logits, dim=1)).sum(1).mean()
