@@ -46,6 +46,12 @@ test-faults: setup
 test-real: setup
 	source $(BIN)/activate && python -m pytest tests/real
 
+# multi-rank / multi-node runs of the stages (gloo on CPU) and real-scale rehearsals (tests/scale/, not collected by
+# `make test`): minutes each; .ci/run calls it
+.PHONY: test-scale
+test-scale: setup
+	source $(BIN)/activate && python -m pytest tests/scale
+
 bench: setup
 	source $(BIN)/activate && python -m benchmarks
 
