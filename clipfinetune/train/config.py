@@ -31,6 +31,7 @@ class TrainConfig:
     seed: int = 0
     workers: int = 0                # loader worker processes
     epoch_unit: str = "image"       # image: one example per image an epoch; method: the method's own unit (loader.py)
+    epoch_samples: int = 0          # > 0: every epoch runs over a fixed seeded sample of that many units (loader.py)
     precision: str = "fp32"         # fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler: `resolve_precision`)
 
     def __post_init__(self):
@@ -40,6 +41,8 @@ class TrainConfig:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of accum_steps {self.accum_steps}")
         if self.epoch_unit not in ("image", "method"):
             raise ValueError(f"epoch_unit must be image or method, got {self.epoch_unit!r}")
+        if self.epoch_samples < 0:
+            raise ValueError(f"epoch_samples must be >= 0 (0 = every unit), got {self.epoch_samples}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("epochs and batch_size must be >= 1")
 
