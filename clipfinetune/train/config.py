@@ -13,6 +13,7 @@ import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TRAIN_TRANSFORMS = ("squash", "random_resized_crop")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class TrainConfig:
     workers: int = 0                # loader worker processes
     epoch_unit: str = "image"       # image: one example per image an epoch; method: the method's own unit (loader.py)
     epoch_samples: int = 0          # > 0: every epoch runs over a fixed seeded sample of that many units (loader.py)
+    train_transform: str = "squash"  # squash (the model's eval resize) | random_resized_crop (open_clip's is_train)
     precision: str = "fp32"         # fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler: `resolve_precision`)
 
     def __post_init__(self):
@@ -41,6 +43,8 @@ class TrainConfig:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of accum_steps {self.accum_steps}")
         if self.epoch_unit not in ("image", "method"):
             raise ValueError(f"epoch_unit must be image or method, got {self.epoch_unit!r}")
+        if self.train_transform not in TRAIN_TRANSFORMS:
+            raise ValueError(f"train_transform must be one of {TRAIN_TRANSFORMS}, got {self.train_transform!r}")
         if self.epoch_samples < 0:
             raise ValueError(f"epoch_samples must be >= 0 (0 = every unit), got {self.epoch_samples}")
         if self.epochs < 1 or self.batch_size < 1:
