@@ -175,3 +175,24 @@ def test_random_resized_crop_is_open_clips_training_transform():
     assert a.shape == model.transform(image).shape and not torch.equal(a, b)     # random, at the model's size
     with pytest.raises(ValueError, match="train_transform"):
         TrainConfig(epochs=1, batch_size=1, lr=1.0, train_transform="flip")
+
+
+def test_the_report_sets_the_ablation_and_recall_at_k_rows_beside_ours():
+    """paper_numbers.yaml's GOAL ablation row (Table 1 "Global fine-tuning") and R@5 rows reach the report's table."""
+    import yaml
+
+    from clipfinetune.report import summary as report
+
+    numbers = yaml.safe_load((ROOT / "recipes" / "paper_numbers.yaml").read_text())
+    models = {"goal_global_only": {"long_retrieval": {"real": {"t2i_r1": 70.0, "t2i_r50": 99.76}}},
+              "goal": {"retrieval": {"flickr1k": {"t2i_r5": 90.3}}}, "base": None}
+    rows = {(r["model"], r["metric"]): r for r in report.paper_rows(numbers["goal"], models)["rows"]}
+    r = rows[("goal_global_only", "long_retrieval.real.t2i_r1")]
+    assert (r["paper"], r["ours"]) == (72.41, 70.0) and r["gap"] == pytest.approx(70.0 - 72.41)
+    assert rows[("goal_global_only", "long_retrieval.real.t2i_r50")]["gap"] == pytest.approx(0.0)
+    assert rows[("goal", "retrieval.flickr1k.t2i_r5")]["gap"] == pytest.approx(90.3 - 89.30)
+    assert rows[("goal_global_only", "global_local.real.i2t_map10")]["ours"] is None     # not evaluated: shown as –
+    assert ("mulclip_global_only", "long_retrieval.dci.t2i_r1") in \
+        {(r["model"], r["metric"]) for r in report.paper_rows(numbers["mulclip"], {})["rows"]}
+    md = "\n".join(" | ".join(row) for row in report.paper_table(report.paper_rows(numbers["goal"], models)))
+    assert "goal_global_only | long_retrieval.real.t2i_r1 | 72.4 | 70.0 | -2.4 | Table 1" in md
