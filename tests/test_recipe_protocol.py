@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,24 @@ def test_the_report_sets_the_ablation_and_recall_at_k_rows_beside_ours():
         {(r["model"], r["metric"]) for r in report.paper_rows(numbers["mulclip"], {})["rows"]}
     md = "\n".join(" | ".join(row) for row in report.paper_table(report.paper_rows(numbers["goal"], models)))
     assert "goal_global_only | long_retrieval.real.t2i_r1 | 72.4 | 70.0 | -2.4 | Table 1" in md
+
+
+def test_a_valse_piece_excludes_its_coco_images_from_a_karpathy_corpus(tmp_path):
+    """FSC-CLIP trains on Karpathy restval (val2014) and scores VALSE FOIL-it (val2014 images): the recipe's
+    `exclude` names foil-it.json, whose COCO-named image files leave the corpus."""
+    import json
+
+    from clipfinetune.data.readers import karpathy
+
+    sents = [{"raw": "a dog"}]
+    (tmp_path / "k.json").write_text(json.dumps({"images": [
+        {"cocoid": c, "filepath": "val2014", "filename": f"COCO_val2014_{c:012d}.jpg", "split": "restval",
+         "sentences": sents} for c in (73, 74, 139)]}))
+    (tmp_path / "foil-it.json").write_text(json.dumps({
+        "foil-it:0": {"image_file": "COCO_val2014_000000000074.jpg", "caption": "a dog", "foil": "a cat"},
+        "foil-it:1": {"image_file": "COCO_val2014_000000000139.jpg", "caption": "a cup", "foil": "a bowl"}}))
+    counts = Counter()
+    recs = karpathy.read(tmp_path / "k.json", exclude=[str(tmp_path / "foil-it.json")], counts=counts)
+    assert [r.image_id for r in recs] == ["73"] and counts["karpathy_excluded"] == 2
+    fsc = recipe_params("fsc_clip", with_defaults=False)["sources"]["coco_karpathy"]["exclude"]
+    assert "datasets/VALSE/data/foil-it.json" in fsc and fsc[0].endswith("instances_val2017.json")
