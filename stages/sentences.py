@@ -18,7 +18,8 @@ def main() -> None:
     _, params, log = start(__doc__, "sentences")
     specs = source_specs(params, params["sentences.sources"])
     records = [r for name, spec in specs.items() for r in read_source(name, spec)]   # every split
-    frame, meta = split_sentences(records, max_sentences=params["sentences.max_sentences"])
+    frame, meta = split_sentences(records, max_sentences=params["sentences.max_sentences"],
+                                  splitter=params["sentences.splitter"])
     files = {f"{name}_file": source_paths(spec)[0] for name, spec in specs.items()}
     meta = {**files, "records": len(records), **meta}
     write_parquet(OUT, frame)

@@ -82,10 +82,12 @@ def main() -> None:
         method = method_cls(**config)
         seed_everything(cfg.seed)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
-        ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
+        transform = model.train_transform() if cfg.train_transform == "random_resized_crop" else model.transform
+        ctx = ExampleContext(transform, model.tokenize, model.image_size, token_span=model.token_span,
                              tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT))
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
-                             seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit)
+                             seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
+                             epoch_samples=cfg.epoch_samples)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), dist.world_size, ROOT)

@@ -210,3 +210,31 @@ def test_epoch_unit_is_checked(shards):
         ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=2, epoch_unit="caption")
     with pytest.raises(ValueError, match="training loaders"):
         ShardLoader(shards, "val", CaptionUnitStub(), CTX, batch_size=2, train=False, epoch_unit="method")
+
+
+def test_epoch_samples_trains_every_epoch_on_one_fixed_seeded_sample_of_the_units(shards):
+    """FSC-CLIP's 100K: a fixed sample of N captions, drawn once (seeded), each epoch one pass over it."""
+    coco = {k: r for k, r in records(shards, "train").items() if r["source"] == "coco"}
+    every = {(k, i) for k, r in coco.items() for i in range(len(r["captions"]))}
+    n = 4 * (len(every) // 8)                                    # about half the captions, whole batches
+
+    def make(seed=3):
+        return ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=seed, epoch_unit="method",
+                           epoch_samples=n)
+
+    loader = make()
+    assert loader.num_units == n and len(loader) == n // 4
+    epoch0, epoch1 = unit_pairs(loader.batches(0)), unit_pairs(loader.batches(1))
+    assert len(set(epoch0)) == len(epoch0) == n and set(epoch0) < every      # n distinct captions, no repeats
+    assert set(epoch1) == set(epoch0) and epoch1 != epoch0                     # the same sample, a new order
+    # the sample is the seeded draw over the sorted "<key>#<caption>" names (here by the keys' ids)
+    names = sorted(f"coco_{r['image_id']}#{i}" for r in coco.values() for i in range(len(r["captions"])))
+    drawn = random.Random("3:epoch_samples").sample(names, n)
+    assert {(key_id(x.split("#")[0]), int(x.split("#")[1])) for x in drawn} == set(epoch0)
+    assert set(unit_pairs(make(seed=4).batches(0))) != set(epoch0)
+    assert make().stats == {} and loader.stats["outside_epoch_sample"] > 0
+    whole = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3, epoch_unit="method",
+                        epoch_samples=10 ** 6)                  # more than there are: every unit, as 0
+    assert whole.num_units == len(every)
+    with pytest.raises(ValueError, match="epoch_samples"):
+        ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=2, epoch_samples=-1)

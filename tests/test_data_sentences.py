@@ -100,3 +100,23 @@ def test_dci_urban1k_sharegpt4v_readers(tmp_path):
     frame, meta = split_sentences(recs)
     assert texts(frame, "000000000001") == ["Lunch box 1.", "Broccoli."]       # a line break ends a sentence
     assert meta["long_captions_sharegpt4v"] == 2
+
+
+def test_goals_period_splitter_is_split_on_dot_stripped_without_empties():
+    long = "The bottle holds 3.5 liters. Dr. Smith waves!\nIt is blue.. "
+    frame, meta = split_sentences([rec(long)], splitter="period")
+    pieces = [p.strip() for p in long.strip().split(".") if p.strip()]     # GOAL's LISM, written out
+    assert texts(frame) == pieces == ["The bottle holds 3", "5 liters", "Dr", "Smith waves!\nIt is blue"]
+    stored = long.strip()
+    assert all(stored[r.char_start:r.char_end] == r.text for r in frame.itertuples())
+    assert "split on '.'" in meta["segmenter"]
+
+
+def test_mulclips_punctuation_splitter_ends_sentences_after_punctuation_runs_and_line_breaks():
+    long = "Is it a mug? Yes!! It is red...\nThe handle faces right"
+    frame, _ = split_sentences([rec(long)], splitter="punctuation", max_sentences=4)
+    assert texts(frame) == ["Is it a mug?", "Yes!!", "It is red...", "The handle faces right"]
+    frame, meta = split_sentences([rec(long)], splitter="punctuation", max_sentences=2)
+    assert texts(frame) == ["Is it a mug?", "Yes!!"] and meta["sentences_dropped_over_cap"] == 2
+    with pytest.raises(ValueError, match="splitter must be one of"):
+        split_sentences([rec(long)], splitter="nltk")

@@ -102,6 +102,35 @@ def test_panoptic_stuff_box_from_png_and_tiny_segment_skipped(tmp_path):
     assert d.images[0][1].tolist() == [[2, 2, 14, 22], [0, 24, 32, 32]]
 
 
+
+def test_panoptic_keeps_crowd_segments_labels_by_sorted_ids_and_reads_100_segments_per_image(tmp_path):
+    """FineCLIP/CLIPSelf `COCOPanopticDataset`: every segment is a box (crowd ones too, unlike instances), the label
+    is the index in the sorted category ids (things and stuff in one label space), at most 100 per image."""
+    ids = np.zeros((40, 200), dtype=np.int64)
+    ids[30:40, :] = 9000                                   # stuff (wall): tight box [0, 30, 200, 40]
+    rgb = np.stack([ids % 256, ids // 256 % 256, ids // 65536], -1).astype(np.uint8)
+    (tmp_path / "masks").mkdir()
+    Image.fromarray(rgb).save(tmp_path / "masks" / "000000000001.png")
+    write_image(tmp_path / "val2017" / "000000000001.jpg", 1, size=(200, 40))
+    things = [{"id": 100 + k, "category_id": 1, "iscrowd": 0, "bbox": [2 * k, 0, 9, 9], "area": 81}
+              for k in range(99)]
+    crowd = {"id": 99, "category_id": 18, "iscrowd": 1, "bbox": [0, 10, 20, 10], "area": 200}
+    segs = [crowd] + things[:98] + [{"id": 9000, "category_id": 199, "iscrowd": 0, "bbox": [0, 0, 1, 1],
+                                     "area": 2000}] + things[98:]                      # 101 segments
+    pj = {"images": [{"id": 1, "file_name": "000000000001.jpg", "height": 40, "width": 200}],
+          "annotations": [{"image_id": 1, "file_name": "000000000001.png", "segments_info": segs}],
+          "categories": [{"id": 199, "name": "wall-other-merged", "isthing": 0}, {"id": 18, "name": "dog", "isthing": 1},
+                         {"id": 1, "name": "person", "isthing": 1}]}
+    (tmp_path / "panoptic_val2017.json").write_text(json.dumps(pj))
+    d = box_cls.load_box_set({"panoptic": str(tmp_path / "panoptic_val2017.json"), "images": str(tmp_path / "val2017"),
+                              "panoptic_masks": str(tmp_path / "masks")})
+    assert d.classnames == ["person", "dog", "wall-other-merged"]          # ids 1 < 18 < 199
+    assert len(d.labels) == 100 and d.skipped["over_100_segments"] == 1      # the 101st (a thing) is not read
+    assert d.labels[0] == 1 and d.labels[-1] == 2 and d.labels.count(0) == 98   # crowd dog kept; stuff last read
+    boxes = d.images[0][1]
+    assert boxes[0].tolist() == [0, 10, 20, 20] and boxes[-1].tolist() == [0, 30, 200, 40]
+    assert d.skipped["crowd"] == 0
+
 def test_lvis_image_folder_from_coco_url_and_frequency_buckets(tmp_path):
     write_image(tmp_path / "train2017" / "000000155379.jpg", 1, size=(32, 32))
     lv = {"images": [{"id": 155379, "height": 32, "width": 32,

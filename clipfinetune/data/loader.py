@@ -43,6 +43,11 @@ Decisions:
   same image twice (a batch of one pass has no sibling captions as false negatives, as a global shuffle of ~400K
   pairs rarely has). Cost: P reads of the shards per epoch (records past their units are skipped before
   decoding). Determinism and resume are those of image epochs: the unit position is the stream position.
+- **Epoch sample** (`epoch_samples` = N > 0, fewer than the epoch's units): training runs on a FIXED subset of N
+  units (images, or the method's units), drawn once per run with `random.Random(f"{seed}:epoch_samples")` from
+  the sorted unit keys ("<key>" or "<key>#<unit>"); every epoch is one pass over that subset, in its own seeded
+  order (FSC-CLIP App. A.3: "100K randomly sampled examples", 5 epochs over them). Units outside it are skipped
+  before decoding and counted (`outside_epoch_sample`).
 """
 from __future__ import annotations
 
@@ -145,6 +150,16 @@ def count_units(paths: list[str], method) -> tuple[list[int], int]:
     return per_shard, most
 
 
+def sample_units(paths: list[str], method, n: int, seed: int, per_unit: bool) -> frozenset[str]:
+    """A fixed, seeded sample of `n` unit keys ("<key>#<unit>" if `per_unit`, else "<key>") of the wanted records."""
+    keys = []
+    for p in paths:
+        for key, rec in iter_shard_records(p):
+            if method.wants(rec):
+                keys += [f"{key}#{u}" for u in range(method.units(rec))] if per_unit else [key]
+    return frozenset(random.Random(f"{seed}:epoch_samples").sample(sorted(keys), n))
+
+
 def _seeded(*parts) -> random.Random:
     return random.Random(":".join(str(p) for p in parts))
 
@@ -189,7 +204,7 @@ class _EpochStream(IterableDataset):
         stats: Counter = Counter()
         misses, seen = 0, set()
 
-        unit_passes = cfg.get("unit_passes", 0)
+        unit_passes, subset = cfg.get("unit_passes", 0), cfg.get("subset")
 
         def count_repeat(key):
             if key in seen:
@@ -211,13 +226,20 @@ class _EpochStream(IterableDataset):
                                            f"{method.name!r} in {misses} consecutive samples")
                     continue
                 misses = 0
+                if subset is not None and not unit_passes and key not in subset:
+                    stats["outside_epoch_sample"] += 1
+                    continue
                 if unit_passes:             # epoch_unit "method": this pass's unit of the record, if it has one
                     cycle, q = divmod(p, unit_passes)
                     n_units = method.units(rec)
                     if q >= n_units:
                         continue
                     unit = _seeded(cfg["seed"], self.epoch, key, cycle, "units").sample(range(n_units), n_units)[q]
-                    key, rec = f"{key}#{unit}", method.unit_record(rec, unit)
+                    key = f"{key}#{unit}"
+                    if subset is not None and key not in subset:
+                        stats["outside_epoch_sample"] += 1
+                        continue
+                    rec = method.unit_record(rec, unit)
                     count_repeat(key)
                 yield key, s["jpg"], rec
 
@@ -272,7 +294,7 @@ class ShardLoader:
 
     def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
                  seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True,
-                 epoch_unit: str = "image"):
+                 epoch_unit: str = "image", epoch_samples: int = 0):
         import webdataset as wds
 
         if batch_size < 1:
@@ -299,6 +321,14 @@ class ShardLoader:
             self.num_units = sum(shard_units)
             log.info("epoch unit %s: %d units in the %d wanted samples (up to %d in one)", self.epoch_unit,
                      self.num_units, self.num_wanted, unit_passes)
+        subset = None
+        if epoch_samples < 0 or epoch_samples and not train:
+            raise ValueError(f"epoch_samples must be >= 0 and only for training loaders, got {epoch_samples}")
+        if 0 < epoch_samples < self.num_units:
+            subset = sample_units(self.paths, method, epoch_samples, seed, per_unit=self.epoch_unit != "image")
+            log.info("epoch sample: a fixed seeded %d of the %d %s units, every epoch", epoch_samples,
+                     self.num_units, self.epoch_unit)
+            self.num_units = epoch_samples
         w = max(1, num_workers)
         if train and len(self.paths) < w * self.world_size:
             raise InputError(shards_dir, split, f"{len(self.paths)} shards for {w} workers x {self.world_size} ranks: "
@@ -312,7 +342,8 @@ class ShardLoader:
         self._loader = None
         cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
                      "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes}
+                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes,
+                     **({"subset": subset} if subset is not None else {})}
         self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
 
     def _eval_batches(self, w: int) -> int:

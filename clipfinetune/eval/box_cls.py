@@ -29,6 +29,7 @@ from clipfinetune.eval.ranking import mean_per_class, topk_hits
 from clipfinetune.io import InputError
 
 MIN_AREA, MAX_AREA = 8 ** 2, 1024 ** 2
+MAX_PANOPTIC_SEGMENTS = 100      # CLIPSelf/FineCLIP COCOPanopticDataset: max_anns = min(max #segments, 100)
 
 
 @dataclass
@@ -103,7 +104,9 @@ def _rgb2id(png: np.ndarray) -> np.ndarray:
 
 
 def read_panoptic(path, images_root, masks_dir=None) -> BoxSet:
-    """Things: GT bbox; stuff: tight box of `segm == id` in the PNG (R + 256 G + 256² B)."""
+    """Things: GT bbox; stuff: tight box of `segm == id` in the PNG (R + 256 G + 256² B). Crowd segments are
+    kept and each image's first 100 `segments_info` entries are read, as FineCLIP's `COCOPanopticDataset`; the
+    ones past 100 are counted in `skipped["over_100_segments"]`."""
     from PIL import Image
 
     data = json.loads(Path(path).read_text())
@@ -116,7 +119,10 @@ def read_panoptic(path, images_root, masks_dir=None) -> BoxSet:
         im = imgs[ann["image_id"]]
         p = resolve_image(im["file_name"], images_root, im["id"])
         segm = None
-        for seg in ann["segments_info"]:
+        segments = ann["segments_info"]
+        if len(segments) > MAX_PANOPTIC_SEGMENTS:
+            out.skipped["over_100_segments"] = out.skipped.get("over_100_segments", 0) + len(segments) - MAX_PANOPTIC_SEGMENTS
+        for seg in segments[:MAX_PANOPTIC_SEGMENTS]:
             if isthing[seg["category_id"]]:
                 box = xywh_to_xyxy(seg["bbox"])
             else:

@@ -63,6 +63,14 @@ class ClipModel(nn.Module):
                                          std=tuple(cfg["std"]), resize_mode=resize_mode,
                                          interpolation=cfg["interpolation"])
 
+    def train_transform(self):
+        """open_clip's training preprocess, `image_transform(is_train=True)` = open_clip_train's `preprocess_train`
+        (FSC-CLIP's and DeGLA's): RandomResizedCrop(scale (0.9, 1.0), bicubic), then the model's mean/std. Random:
+        for images only, never with boxes (their coordinates follow `transform`'s squash resize)."""
+        cfg = self.preprocess_cfg
+        return open_clip.image_transform(tuple(cfg["size"]), is_train=True, mean=tuple(cfg["mean"]),
+                                         std=tuple(cfg["std"]))
+
     # ---- geometry and tokenizer -------------------------------------------------------------------
     @property
     def vision(self):

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TRAIN_TRANSFORMS = ("squash", "random_resized_crop")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -28,15 +32,21 @@ class TrainConfig:
     seed: int = 0
     workers: int = 0                # loader worker processes
     epoch_unit: str = "image"       # image: one example per image an epoch; method: the method's own unit (loader.py)
-    precision: str = "fp32"         # fp32 | bf16 (autocast; the stage resolves bf16 -> fp32 on CPU)
+    epoch_samples: int = 0          # > 0: every epoch runs over a fixed seeded sample of that many units (loader.py)
+    train_transform: str = "squash"  # squash (the model's eval resize) | random_resized_crop (open_clip's is_train)
+    precision: str = "fp32"         # fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler: `resolve_precision`)
 
     def __post_init__(self):
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {'/'.join(PRECISIONS)}, got {self.precision!r}")
         if self.accum_steps < 1 or self.batch_size % self.accum_steps:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of accum_steps {self.accum_steps}")
         if self.epoch_unit not in ("image", "method"):
             raise ValueError(f"epoch_unit must be image or method, got {self.epoch_unit!r}")
+        if self.train_transform not in TRAIN_TRANSFORMS:
+            raise ValueError(f"train_transform must be one of {TRAIN_TRANSFORMS}, got {self.train_transform!r}")
+        if self.epoch_samples < 0:
+            raise ValueError(f"epoch_samples must be >= 0 (0 = every unit), got {self.epoch_samples}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("epochs and batch_size must be >= 1")
 
@@ -74,8 +84,14 @@ def merge_train_settings(shared: dict, override: dict | None, extra_keys=frozens
 
 def resolve_precision(precision: str, device, log=None) -> str:
     """bf16 autocast (open_clip_train's `amp_bf16`) on CUDA and on CPU alike. A CPU without native bf16 arithmetic
-    (AVX512-BF16 / AMX) emulates it: the same result, slower than fp32, so say so."""
+    (AVX512-BF16 / AMX) emulates it: the same result, slower than fp32, so say so. fp16 (open_clip_train's `amp`:
+    fp16 autocast + GradScaler) on CUDA; on a CPU (no fast fp16 kernels) it falls back to bf16 with a warning."""
     device_type = getattr(device, "type", str(device))
+    if precision == "fp16" and device_type != "cuda":
+        if log is not None:
+            log.warning("precision fp16 (open_clip's amp: fp16 autocast + GradScaler) needs CUDA; on %s it trains "
+                        "in bf16 autocast instead (other numbers than the papers' fp16)", device_type)
+        precision = "bf16"
     if precision == "bf16" and log is not None:
         if device_type == "cpu" and not cpu_has_native_bf16():
             log.warning("precision bf16: bf16 autocast on a CPU without native bf16 (no AVX512-BF16/AMX) is "
@@ -86,8 +102,15 @@ def resolve_precision(precision: str, device, log=None) -> str:
 
 
 def autocast(precision: str, device: torch.device):
-    """The forward's precision context: bf16 autocast for "bf16" (the loss then runs on fp32 casts), else none."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """The forward's precision context: bf16 / fp16 autocast (the loss then runs on fp32 casts); fp32: none."""
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES.get(precision, torch.bfloat16),
+                          enabled=precision in AUTOCAST_DTYPES)
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """open_clip_train's `amp`: a dynamic loss scale for fp16 gradients (skips a step whose gradients overflow and
+    lowers the scale). Disabled (scale/unscale/step pass through unchanged) for fp32 and bf16."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
 def cpu_has_native_bf16() -> bool:

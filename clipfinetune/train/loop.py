@@ -12,8 +12,10 @@ it never changes this loop. What the loop decides:
   negatives span all `batch_size` samples; exact for every term that is a function of the concatenated features;
   shared 0-dim features such as the logit scale, and parameters owned by the loss module, get their gradient in
   one pass only: open_clip counts the logit scale's gradient k times). Cost: one extra forward per micro-batch. DDP gradient sync runs only on the last micro-batch (`no_sync`).
-- Precision: bf16 autocast around the model forward when `precision == "bf16"`; features are cast to fp32 and
-  the loss runs in fp32 (logits of a softmax over the batch are precision-sensitive). No GradScaler (bf16).
+- Precision: bf16 / fp16 autocast around the model forward; features are cast to fp32 and the loss runs in fp32
+  (logits of a softmax over the batch are precision-sensitive). fp16 (open_clip's `amp`) adds a GradScaler: the
+  loss is scaled before the backward, the gradients unscaled before the norm/clip, and a step whose gradients
+  overflow is skipped by the scaler (its scale lowered), not an error; bf16 and fp32 have none.
 - After the backward: global grad norm (clipped if `grad_clip > 0`); every term and the grad norm are averaged
   over ranks in one all-reduce; a non-finite value stops training BEFORE the optimiser step with
   `NonFiniteLossError` (naming the step and the term), so the last checkpoint stays the last good one.
@@ -38,7 +40,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt_io
-from .config import TrainConfig, autocast
+from .config import TrainConfig, autocast, grad_scaler
 from .distributed import DistInfo, all_gather_objects, all_reduce_mean, current, wrap_ddp
 from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler, parameter_groups
@@ -81,6 +83,7 @@ class Trainer:
         self._feature_params = [p for p in self.params if id(p) not in in_loss] if in_loss else None
         self.optimizer = build_optimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup, self.total_steps)
+        self.scaler = grad_scaler(cfg.precision, self.device)
         self.step, self._rng, self._saved_step = 0, None, None
         self.resumed = self._resume()                       # before DDP: every rank loads the same state
         self.ddp = wrap_ddp(self.module, self.dist, method.find_unused_parameters)
@@ -123,6 +126,7 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> dict[str, float]:
         """One optimiser step over `accum_steps` micro-batches; returns the logged scalars."""
         terms = self.compute_gradients(micro_batches)
+        self.scaler.unscale_(self.optimizer)                 # fp16: the true gradients for the norm and the clip
         if self.cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         else:
@@ -131,15 +135,16 @@ class Trainer:
         values = all_reduce_mean(torch.stack([terms[n].float() for n in names] + [grad_norm.float().to(self.device)]))
         values = values.tolist()
         total = sum(values[:-1])
-        for name, value in [(f"term '{n}'", v) for n, v in zip(names, values)] + [("total", total),
-                                                                                   ("grad norm", values[-1])]:
+        checked = [("total", total)] + ([] if self.scaler.is_enabled() else [("grad norm", values[-1])])
+        for name, value in [(f"term '{n}'", v) for n, v in zip(names, values)] + checked:
             if not math.isfinite(value):
                 raise NonFiniteLossError(
                     f"{self.desc}: non-finite {name} = {value} at optimiser step {self.step + 1} "
                     f"(epoch {self.step // self.steps_per_epoch}); stopped before updating the weights. "
                     f"Last good checkpoint: {self._checkpoint_note()}")
         lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)                     # fp16: skipped when the gradients overflowed
+        self.scaler.update()
         self.scheduler.step()
         if self.method.clamp_logit_scale:
             self._clamp_logit_scales()
@@ -158,7 +163,7 @@ class Trainer:
         k = len(micro_batches)
         if k == 1:
             terms = self.loss_fn(self._forward(micro_batches[0]))
-            sum(terms.values()).backward()
+            self.scaler.scale(sum(terms.values())).backward()
             return {n: t.detach() for n, t in terms.items()}
         with torch.no_grad():
             cached = [self._forward(b) for b in micro_batches]
@@ -168,7 +173,7 @@ class Trainer:
                 features = merge_features(cached[:j] + [self._forward(batch)] + cached[j + 1:], j, last)
                 terms = self.loss_fn(features)
                 inputs = None if last or self._feature_params is None else self._feature_params
-                torch.autograd.backward(sum(terms.values()), inputs=inputs)
+                torch.autograd.backward(self.scaler.scale(sum(terms.values())), inputs=inputs)
         return {n: t.detach() for n, t in terms.items()}
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -207,7 +212,8 @@ class Trainer:
                 "steps_per_epoch": self.steps_per_epoch, "world_size": self.dist.world_size,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "method": self.method.state_dict(),
-                "config": self.cfg.as_dict()}
+                "config": self.cfg.as_dict(),
+                **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {})}    # fp16 only
 
     def save(self) -> None:
         rng = all_gather_objects(ckpt_io.rng_state())              # collective: every rank calls save()
@@ -237,6 +243,8 @@ class Trainer:
         self.module.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        if "scaler" in ckpt:
+            self.scaler.load_state_dict(ckpt["scaler"])
         self.method.load_state_dict(ckpt["method"])
         self.step, self._saved_step = ckpt["step"], ckpt["step"]
         self._rng = ckpt["rng"][self.dist.rank]

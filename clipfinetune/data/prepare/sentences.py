@@ -15,11 +15,16 @@ Decisions:
   is segmented on its own.
 - A long caption without a boundary is one sentence; an empty one is skipped and counted; a "sentence"
   without a letter or digit (stray punctuation) is skipped and counted.
+- `splitter` picks the rule: "spacy" (the above), "period" (GOAL's LISM: `caption.split('.')`, pieces stripped,
+  empties removed: "3.5 m" and "Dr." break, line breaks do not; METHODS 3.1) or "punctuation" (MulCLIP App. VI
+  "punctuation-based splitting": a sentence ends after a run of '.', '!' or '?', kept in it, or at a line break).
+  The punctuation-only skip and the cap apply to every splitter.
 - Every record given is processed, whatever its split (LISM also builds GOAL's joint test list from the test
   split); consumers select the split through the reader's `split` field.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable
 
@@ -29,6 +34,9 @@ from clipfinetune.io import InputError
 
 COLUMNS = ["image_id", "source", "long_caption", "sentence_index", "text", "char_start", "char_end"]
 SEGMENTERS = ("senter", "parser")
+SPLITTERS = ("spacy", "period", "punctuation")
+RULES = {"period": re.compile(r"[^.]+"), "punctuation": re.compile(r"[^.!?\n]+[.!?]*")}
+RULE_NAMES = {"period": "split on '.' (GOAL's LISM)", "punctuation": "split after . ! ? and at line breaks (MulCLIP)"}
 
 
 def segment_docs(texts: Iterable[str], segmenter: str = "senter", batch_size: int = 64):
@@ -76,11 +84,19 @@ def line_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+def rule_spans(text: str, splitter: str) -> list[tuple[int, int]]:
+    """Trimmed, non-empty spans of a rule-based splitter ("period" | "punctuation")."""
+    spans = [_trim(text, m.start(), m.end()) for m in RULES[splitter].finditer(text)]
+    return [(s, e) for s, e in spans if e > s]
+
+
 def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segmenter: str = "senter",
-                    batch_size: int = 64):
+                    batch_size: int = 64, splitter: str = "spacy"):
     """records: `readers.Record`s (image_id, source, long_caption) -> (DataFrame with COLUMNS, meta counts)."""
     if max_sentences < 1:
         raise ValueError("max_sentences must be >= 1")
+    if splitter not in SPLITTERS:
+        raise ValueError(f"sentences.splitter must be one of {SPLITTERS}, got {splitter!r}")
     counts: Counter = Counter()
     kept = []
     seen = set()
@@ -94,10 +110,14 @@ def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segment
             counts["empty_long_captions_skipped"] += 1
             continue
         kept.append((key[1], r.source, text))
-    lines = [(n, s, e) for n, (_, _, text) in enumerate(kept) for s, e in line_spans(text)]
     per_caption: list[list[tuple[int, int]]] = [[] for _ in kept]
-    for (n, s0, e0), doc in zip(lines, segment_docs((kept[n][2][s:e] for n, s, e in lines), segmenter, batch_size)):
-        per_caption[n] += [(s0 + s, s0 + e) for s, e in sentence_spans(doc)]
+    if splitter == "spacy":
+        lines = [(n, s, e) for n, (_, _, text) in enumerate(kept) for s, e in line_spans(text)]
+        docs = segment_docs((kept[n][2][s:e] for n, s, e in lines), segmenter, batch_size)
+        for (n, s0, e0), doc in zip(lines, docs):
+            per_caption[n] += [(s0 + s, s0 + e) for s, e in sentence_spans(doc)]
+    else:
+        per_caption = [rule_spans(text, splitter) for _, _, text in kept]
     rows = []
     for (image_id, source, text), found in zip(kept, per_caption):
         spans = []
@@ -121,7 +141,8 @@ def split_sentences(records: Iterable[dict], *, max_sentences: int = 15, segment
             rows.append((image_id, source, text, i, text[s:e], s, e))
     frame = pd.DataFrame(rows, columns=COLUMNS).astype(
         {"image_id": "str", "source": "str", "sentence_index": "int32", "char_start": "int32", "char_end": "int32"})
-    meta = {"rows": len(frame), "segmenter": f"spacy en_core_web_sm {segmenter}", "max_sentences": max_sentences}
+    name = f"spacy en_core_web_sm {segmenter}" if splitter == "spacy" else RULE_NAMES[splitter]
+    meta = {"rows": len(frame), "segmenter": name, "max_sentences": max_sentences}
     for key in ("long_captions", "empty_long_captions_skipped", "captions_over_cap", "sentences_dropped_over_cap",
                 "punctuation_only_sentences_skipped", "single_sentence_captions"):
         meta[key] = counts.pop(key, 0)

@@ -5,7 +5,9 @@ captions are the raw sentences, in file order.
 `image_id` is the COCO image id (`cocoid`) when the file carries one, so a Karpathy COCO record and the coco
 reader's record of the same picture share an id (Karpathy's own `imgid` is a position in its file, no COCO id);
 Flickr30k's file has no cocoid: `imgid`. `exclude` lists COCO files (instances or captions, read by the coco reader)
-whose image ids are left out, counted as `karpathy_excluded` (e.g. val2017's images, which restval holds).
+whose image ids are left out, counted as `karpathy_excluded` (e.g. val2017's images, which restval holds), or
+VALSE piece files ({key: {"image_file": "COCO_val2014_<id>.jpg", ...}}: FOIL-it's val2014 images), by the COCO id
+in their file names.
 """
 from __future__ import annotations
 
@@ -19,11 +21,19 @@ PATHS = ("file", "images")
 
 
 def excluded_ids(files) -> set[str]:
-    """The image ids of COCO files (`images[].id`, as strings)."""
+    """The image ids of COCO files (`images[].id`) and of VALSE pieces (COCO-named `image_file`s), as strings."""
     from clipfinetune.data.readers import coco
+    from clipfinetune.leakage import coco_id_of
 
-    files = [files] if isinstance(files, str) else files or []
-    return {str(i) for f in files for i in coco.images_by_id(coco.load_json(f), f)}
+    out = set()
+    for f in [files] if isinstance(files, str) else files or []:
+        data = coco.load_json(f)
+        if "images" in data:
+            out |= {str(i) for i in coco.images_by_id(data, f)}
+        else:
+            ids = {coco_id_of(s.get("image_file", "")) for s in data.values() if isinstance(s, dict)}
+            out |= {str(i) for i in ids if i is not None}
+    return out
 
 
 def read(file, images=None, splits=None, exclude=None, source: str = "karpathy", counts=None):
