@@ -64,12 +64,15 @@ def units_of_rank(n_units: int, rank: int, world_size: int) -> list[int]:
 
 
 class PartStore:
-    """The part files of one stage run: `<root>/<stage>/<key>/unit-<k>.json` (JSON: floats round-trip exactly)."""
+    """The part files of one stage run: `<root>/<stage>/<key>/unit-<k>.json` (codec "json": floats round-trip
+    exactly) or `.pt` (codec "torch": tensors, read back with `weights_only=True`)."""
 
-    def __init__(self, root: str | Path, stage: str, key: str):
+    def __init__(self, root: str | Path, stage: str, key: str, codec: str = "json"):
+        if codec not in ("json", "torch"):
+            raise ValueError(f"codec must be json or torch, got {codec!r}")
         self.stage_dir = Path(root) / stage.replace("@", "-")
         self.dir = self.stage_dir / key
-        self.key = key
+        self.key, self.codec = key, codec
 
     def remove_stale(self) -> list[str]:
         """Delete the parts of every other fingerprint (rank 0, before any rank writes); returns their keys."""
@@ -80,23 +83,33 @@ class PartStore:
         return sorted(p.name for p in stale)
 
     def path(self, unit: int) -> Path:
-        return self.dir / f"unit-{unit:06d}.json"
+        return self.dir / f"unit-{unit:06d}.{'json' if self.codec == 'json' else 'pt'}"
 
     def has(self, unit: int) -> bool:
         return self.path(unit).is_file()
 
     def write(self, unit: int, item_ids: list[str], result) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        part = {"format": PART_FORMAT, "key": self.key, "unit": unit, "item_ids": list(item_ids), "result": result}
         with atomic_path(self.path(unit)) as tmp:
-            tmp.write_text(json.dumps({"format": PART_FORMAT, "key": self.key, "unit": unit,
-                                       "item_ids": list(item_ids), "result": result}))
+            if self.codec == "json":
+                tmp.write_text(json.dumps(part))
+            else:
+                import torch
+
+                torch.save(part, tmp)
 
     def read(self, unit: int, item_ids: list[str]):
         """The unit's result; an error naming the file if it is not the part of these items under this key."""
         path = self.path(unit)
         try:
-            part = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+            if self.codec == "json":
+                part = json.loads(path.read_text())
+            else:
+                import torch
+
+                part = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, ValueError, RuntimeError, EOFError) as e:
             raise RuntimeError(f"{path}: unreadable part file ({e}); delete {self.dir} and re-run") from e
         if (part.get("format"), part.get("key"), part.get("unit"), part.get("item_ids")) != \
                 (PART_FORMAT, self.key, unit, list(item_ids)):
@@ -129,8 +142,9 @@ class Progress:
 
 
 def compute_parts(store: PartStore, units: list[Sequence], ids_of, compute, rank: int, world_size: int,
-                  log: logging.Logger, what: str) -> dict:
-    """Compute this rank's units that have no part yet (`compute(unit_items)` -> a JSON-able result), writing each
+                  log: logging.Logger, what: str, stream: bool = False) -> dict:
+    """Compute this rank's units that have no part yet (`compute(unit_items)` -> the part's result; with `stream`,
+    `compute(list of units)` -> an iterator of their results in order, e.g. through a DataLoader), writing each
     part as it finishes. `ids_of(item)`: the item's id (kept in the part and checked when it is read). Logs
     progress (rate, ETA). Returns {"units": this rank's units, "resumed": how many had a part already}."""
     mine = units_of_rank(len(units), rank, world_size)
@@ -139,8 +153,9 @@ def compute_parts(store: PartStore, units: list[Sequence], ids_of, compute, rank
     if resumed:
         log.info("%s: resuming, %d of this rank's %d units already done (%s)", what, resumed, len(mine), store.dir)
     progress = Progress(log, f"{what} (rank {rank}/{world_size})", len(todo), sum(len(units[k]) for k in todo))
-    for k in todo:
-        store.write(k, [ids_of(it) for it in units[k]], compute(units[k]))
+    results = compute([units[k] for k in todo]) if stream else (compute(units[k]) for k in todo)
+    for k, result in zip(todo, results, strict=True):
+        store.write(k, [ids_of(it) for it in units[k]], result)
         progress.update(len(units[k]))
     return {"units": len(mine), "resumed": resumed}
 
@@ -151,7 +166,7 @@ def read_parts(store: PartStore, units: list[Sequence], ids_of) -> list:
 
 
 def run_sharded(store: PartStore, units: list[Sequence], ids_of, compute, rank: int, world_size: int, barrier,
-                log: logging.Logger, what: str) -> list | None:
+                log: logging.Logger, what: str, stream: bool = False) -> list | None:
     """The whole split: rank 0 deletes stale parts, every rank computes its missing units, and after a barrier
     rank 0 returns every unit's result in unit order (other ranks: None). `barrier()`: the process group's (a
     no-op with one process)."""
@@ -160,7 +175,7 @@ def run_sharded(store: PartStore, units: list[Sequence], ids_of, compute, rank: 
         if stale:
             log.info("%s: deleted the parts of other runs (%s)", what, ", ".join(stale))
     barrier()
-    done = compute_parts(store, units, ids_of, compute, rank, world_size, log, what)
+    done = compute_parts(store, units, ids_of, compute, rank, world_size, log, what, stream)
     log.info("%s: rank %d computed %d units (%d resumed from parts)", what, rank, done["units"] - done["resumed"],
              done["resumed"])
     barrier()

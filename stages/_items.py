@@ -27,21 +27,21 @@ def setup_device(params):
     return init_distributed(None if setting == "auto" else setting)
 
 
-def part_store(params, settings: dict, device) -> parts.PartStore:
+def part_store(params, settings: dict, device, codec: str = "json") -> parts.PartStore:
     """The stage's parts, keyed by a fingerprint of `settings` (what it computes with), the device TYPE (the same on
     every rank: cuda:0 and cuda:1 share one key) and its dvc.yaml deps."""
     device_type = device.type if hasattr(device, "type") else str(device).split(":")[0]
     with contextlib.chdir(_common.ROOT):         # DVC resolves the stage name against the working directory
         inputs = _common.stage_inputs(params.stage)
     key = parts.fingerprint(params.stage, {**settings, "device": device_type}, inputs, _common.ROOT)
-    return parts.PartStore(Path(CACHE_ROOT), params.stage, key)     # beside the outputs (relative, like OUT)
+    return parts.PartStore(Path(CACHE_ROOT), params.stage, key, codec)     # beside the outputs (relative, like OUT)
 
 
-def run_sharded(store, units, ids_of, compute, dist, log, what: str):
+def run_sharded(store, units, ids_of, compute, dist, log, what: str, stream: bool = False):
     """`clipfinetune.parts.run_sharded` with the process group's barrier; rank 0 gets every unit's result."""
     from clipfinetune.train.distributed import barrier
 
-    return parts.run_sharded(store, units, ids_of, compute, dist.rank, dist.world_size, barrier, log, what)
+    return parts.run_sharded(store, units, ids_of, compute, dist.rank, dist.world_size, barrier, log, what, stream)
 
 
 def finish(dist) -> None:
