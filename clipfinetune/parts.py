@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Sequence
@@ -109,7 +110,7 @@ class PartStore:
                 import torch
 
                 part = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, ValueError, RuntimeError, EOFError) as e:
+        except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
             raise RuntimeError(f"{path}: unreadable part file ({e}); delete {self.dir} and re-run") from e
         if (part.get("format"), part.get("key"), part.get("unit"), part.get("item_ids")) != \
                 (PART_FORMAT, self.key, unit, list(item_ids)):
