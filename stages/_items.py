@@ -29,11 +29,16 @@ def setup_device(params):
 
 def part_store(params, settings: dict, device, codec: str = "json") -> parts.PartStore:
     """The stage's parts, keyed by a fingerprint of `settings` (what it computes with), the device TYPE (the same on
-    every rank: cuda:0 and cuda:1 share one key) and its dvc.yaml deps."""
+    every rank: cuda:0 and cuda:1 share one key), on the CPU torch's thread count, and its dvc.yaml deps."""
+    import torch
+
     device_type = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    # on the CPU a kernel's float bits can follow the intra-op thread count: a resume at another count recomputes
+    threads = torch.get_num_threads() if device_type == "cpu" else None
     with contextlib.chdir(_common.ROOT):         # DVC resolves the stage name against the working directory
         inputs = _common.stage_inputs(params.stage)
-    key = parts.fingerprint(params.stage, {**settings, "device": device_type}, inputs, _common.ROOT)
+    key = parts.fingerprint(params.stage, {**settings, "device": device_type, "torch_threads": threads}, inputs,
+                            _common.ROOT)
     return parts.PartStore(Path(CACHE_ROOT), params.stage, key, codec)     # beside the outputs (relative, like OUT)
 
 

@@ -57,8 +57,7 @@ def main() -> None:
     recorders = make_encoders(model, text_model, text_encoder, batch_size,
                               new=lambda m, b, tag: sharded.RecordingEncoder(m, b, tag, plan, dim))
     evaluate_model(model, benchmarks, batch_size, text_model, encoders=recorders, **suite_args)
-    encoders = make_encoders(model, text_model, text_encoder, batch_size,
-                             new=lambda m, b, tag: sharded.Encoder(m, b))
+    encoders = make_encoders(model, text_model, text_encoder, batch_size)
     by_tag = {"model": encoders[0], "text_model": encoders[1]}
     store = _items.part_store(params, {"model": args.model, "batch_size": batch_size, "benchmarks": benchmarks,
                                        "threads": params["eval.threads"], **suite_args}, dist.device, codec="torch")
