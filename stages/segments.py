@@ -1,7 +1,7 @@
 """Stage `segments` (GOAL/LISM step 1): the images of `segments.source` (every split) -> segment boxes (SAM, or
 the CPU segmenter).
 
-The images (by id) are cut into work units of UNIT_IMAGES; under torchrun (`compute.nproc`) each rank segments
+The images (by id) are cut into work units of UNIT_IMAGES; under torchrun each rank segments
 its units (round-robin) on its own device (`compute.device`) and writes one part file per unit under
 data/cache/segments/<fingerprint>/; rank 0 merges them in image order, so a sharded run writes exactly what a
 single run writes, and a killed run resumes from its parts (stages/_items.py, clipfinetune/parts.py).
