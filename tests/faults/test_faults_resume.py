@@ -4,13 +4,15 @@ leaves no parts behind. eval@base's case (~40 s) and the stale-parts case run in
 with the same helpers."""
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from .conftest import OUTPUTS, Project, kill, run_stage, start_stage
+from .conftest import ENV, OUTPUTS, Project, kill, run_stage, start_stage
 
 pytestmark = pytest.mark.faults
 
@@ -46,11 +48,28 @@ def kill_after_first_part(proj: Project, stage: str) -> None:
 
 
 @pytest.mark.parametrize("stage", FAULT_SUITE)
-def test_killed_item_stage_resumes_from_its_parts_byte_identical(tiny_project, tmp_path, stage):
-    check_kill_and_resume(tiny_project, tmp_path, stage)
+def test_killed_item_stage_resumes_from_its_parts_byte_identical(tiny_project, tmp_path, stage, inprocess, caplog):
+    def rerun_inprocess(proj: Project) -> str:       # imports already warm: seconds cheaper than a subprocess
+        caplog.set_level(logging.INFO)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(int(ENV["OMP_NUM_THREADS"]))   # the killed run's count (parts are keyed by it)
+        try:
+            inprocess(proj, stage)
+        finally:
+            torch.set_num_threads(threads)
+        return caplog.text
+
+    check_kill_and_resume(tiny_project, tmp_path, stage, rerun_inprocess)
 
 
-def check_kill_and_resume(tiny_project: Project, tmp_path: Path, stage: str) -> None:
+def rerun_subprocess(proj: Project, stage: str) -> str:
+    proc = run_stage(proj.root, stage)
+    return proc.stdout + proc.stderr
+
+
+def check_kill_and_resume(tiny_project: Project, tmp_path: Path, stage: str, rerun=None) -> None:
+    """Kill `stage` after its first part, re-run it (`rerun(project)` -> its log text; default a subprocess) and
+    check that it resumed and wrote the uninterrupted run's bytes, leaving no parts."""
     proj = tiny_project.clone(tmp_path / "proj", INPUTS[stage])
     if stage.startswith("eval@"):        # the tiny project has no eval: its uninterrupted run is the reference
         run_stage(proj.root, stage)
@@ -63,8 +82,8 @@ def check_kill_and_resume(tiny_project: Project, tmp_path: Path, stage: str) -> 
     kill_after_first_part(proj, stage)
     written = part_files(proj, stage)
     assert written and not outputs(proj, stage), "killed after its first part: parts, no outputs yet"
-    rerun = run_stage(proj.root, stage)
-    resumed = RESUMED.search(rerun.stdout + rerun.stderr)
+    log_text = rerun(proj) if rerun else rerun_subprocess(proj, stage)
+    resumed = RESUMED.search(log_text)
     assert resumed and int(resumed.group(1)) >= len(written), "the re-run did not resume from the parts"
     assert outputs(proj, stage) == ref
     assert not part_files(proj, stage)
