@@ -4,6 +4,12 @@ metadata holds the metrics file's text under `items.METRICS_KEY`).
 
 Benchmarks come from `eval.benchmarks` (task -> set -> paths); unconfigured ones are listed under
 "skipped" in the metrics file. Run by hand: python stages/eval.py --model clip [--stage eval@clip].
+
+The models run on the device of `compute.device` (stages/_items.py; recorded in the metrics' meta), in fp32.
+Under torchrun the encoding is split across ranks (clipfinetune/eval/sharded.py): every rank plans the suite's
+batches, computes its share (images decoded in `eval.workers` DataLoader workers) as part files under
+data/cache/eval-<model>/<fingerprint>/, and rank 0 scores every benchmark from them, so the outputs equal a
+one-process run's and a killed run resumes from its parts.
 """
 from __future__ import annotations
 
@@ -11,21 +17,23 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
+import _items
 import torch
 from _common import start
 
+from clipfinetune.eval import sharded
 from clipfinetune.eval.items import METRICS_KEY, to_frame
-from clipfinetune.eval.suite import evaluate_model
+from clipfinetune.eval.suite import evaluate_model, make_encoders
 from clipfinetune.io import write_json, write_parquet
 
 
-def load_exported(name: str):
+def load_exported(name: str, device="cpu"):
     from clipfinetune.models import load_model
 
     path = Path("models") / name
     if not path.is_dir():
         raise SystemExit(f"models/{name} does not exist: run `dvc repro train@{name}` (or `pretrain` for base)")
-    return load_model(f"local-dir:{path}").eval()
+    return load_model(f"local-dir:{path}", device=device).eval()
 
 
 def main() -> None:
@@ -33,15 +41,39 @@ def main() -> None:
         "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"))
     if params["eval.threads"]:
         torch.set_num_threads(int(params["eval.threads"]))
+    dist = _items.setup_device(params)
     text_encoder = params["eval.box_cls.text_encoder"]
-    model = load_exported(args.model)
-    text_model = load_exported("base") if text_encoder == "base" and args.model != "base" else model
+    model = load_exported(args.model, dist.device)
+    text_model = load_exported("base", dist.device) if text_encoder == "base" and args.model != "base" else model
     t0 = time.perf_counter()
+    benchmarks, batch_size = params["eval.benchmarks"], params["eval.batch_size"]
+    suite_args = {"text_encoder": text_encoder, "aro_seed": params["eval.aro_seed"],
+                  "cache_dir": params["eval.cache_dir"] or None}
+    workers = int(params.get("eval.workers", 0))
+
+    # every rank plans the suite's encoder batches (no forward), computes its share, rank 0 scores from the parts
+    plan: list = []
+    dim = sharded.embed_dim(model)
+    recorders = make_encoders(model, text_model, text_encoder, batch_size,
+                              new=lambda m, b, tag: sharded.RecordingEncoder(m, b, tag, plan, dim))
+    evaluate_model(model, benchmarks, batch_size, text_model, encoders=recorders, **suite_args)
+    encoders = make_encoders(model, text_model, text_encoder, batch_size)
+    by_tag = {"model": encoders[0], "text_model": encoders[1]}
+    store = _items.part_store(params, {"model": args.model, "batch_size": batch_size, "benchmarks": benchmarks,
+                                       "threads": params["eval.threads"], **suite_args}, dist.device, codec="torch")
+    results = _items.run_sharded(
+        store, [[unit] for unit in plan], sharded.unit_id,
+        lambda units: (res for _, res in sharded.encode_units([u[0] for u in units], by_tag, workers)),
+        dist, log, f"eval@{args.model} encoding", stream=True)
+    params.check_all_read()
+    if results is None:               # not rank 0: its parts are written
+        _items.finish(dist)
+        return
+    sharded.fill_encoders(plan, results, by_tag)
     items: list = []
-    metrics = evaluate_model(model, params["eval.benchmarks"], batch_size=params["eval.batch_size"],
-                             text_model=text_model, text_encoder=text_encoder, aro_seed=params["eval.aro_seed"],
-                             cache_dir=params["eval.cache_dir"] or None, items=items)
+    metrics = evaluate_model(model, benchmarks, batch_size, text_model, items=items, encoders=encoders, **suite_args)
     metrics["meta"]["model"] = args.model
+    metrics["meta"]["device"] = str(dist.device)
     table = to_frame(items)
     metrics_file = Path("metrics") / f"{args.model}.json"
     write_json(metrics_file, metrics)
@@ -50,7 +82,8 @@ def main() -> None:
     write_parquet(Path("metrics") / "items" / f"{args.model}.parquet", table, {METRICS_KEY: metrics_file.read_text()})
     log.info("wrote metrics/%s.json and %d item outcomes in %.1fs; skipped: %s", args.model, len(table),
              time.perf_counter() - t0, sorted(metrics["skipped"]))
-    params.check_all_read()
+    store.clear()
+    _items.finish(dist)
 
 
 if __name__ == "__main__":

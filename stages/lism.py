@@ -5,46 +5,74 @@ the image's training pair), GOAL's joint global+local test list for the test spl
 with its images), and metrics/lism.json: on the sample world, where the generator knows which object each
 sentence describes, LISM's accuracy against that ground truth; on real data (`lism.ground_truth: ""`) the pair
 counts only. It never reads the instances files; the ground truth is read only to measure.
+
+The model runs on the device of `compute.device` (stages/_items.py; recorded in local_pairs.meta.json). The
+images (by id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units and writes one
+part file per unit under data/cache/lism/<fingerprint>/; rank 0 assembles them in image order and writes every
+output, so a sharded run writes exactly what one process writes, and a killed run resumes from its parts.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
+import _items
 import pandas as pd
 from _common import source_specs, start
 
-from clipfinetune.data.prepare.lism import measure_against_ground_truth, read_ground_truth, run_lism
+from clipfinetune.data.prepare.lism import (
+    assemble_lism,
+    lism_inputs,
+    lism_unit,
+    measure_against_ground_truth,
+    read_ground_truth,
+)
 from clipfinetune.data.readers import read_source
 from clipfinetune.eval.global_local import write_test_list
 from clipfinetune.io import atomic_path, write_json, write_parquet
+from clipfinetune.parts import work_units
 
 OUT = Path("data/prepared/local_pairs.parquet")
 TEST_DIR = Path("data/prepared/global_local")
+# images per part file by device type; on a GPU also the images whose crops share batches
+UNIT_IMAGES = {"cpu": 4, "cuda": 64}
 
 
-def load_model_for_lism(name: str, pretrained: str):
+def load_model_for_lism(name: str, pretrained: str, device="cpu"):
     from clipfinetune.models import load_model
 
     if Path(name).is_dir():  # an exported folder, e.g. the sample world's models/base
-        return load_model(f"local-dir:{name}")
-    return load_model(name, pretrained=pretrained)
+        return load_model(f"local-dir:{name}", device=device)
+    return load_model(name, pretrained=pretrained, device=device)
 
 
 def main() -> None:
     _, params, log = start(__doc__, "lism")
+    dist = _items.setup_device(params)
     name = params["lism.source"]
-    records = read_source(name, source_specs(params, name)[name])
+    records = sorted(read_source(name, source_specs(params, name)[name]), key=lambda r: r.image_id)
     sentences = pd.read_parquet(params["lism.sentences"])
-    segments = pd.read_parquet(params["lism.segments"])
-    model = load_model_for_lism(params["lism.model"], params["lism.pretrained"]).eval()
+    by_image, boxes_of = lism_inputs(sentences, pd.read_parquet(params["lism.segments"]))
+    model = load_model_for_lism(params["lism.model"], params["lism.pretrained"], dist.device).eval()
+    batch_size = params["lism.batch_size"]
+    settings = {"source": name, "model": params["lism.model"], "pretrained": params["lism.pretrained"],
+                "sentences": params["lism.sentences"], "segments": params["lism.segments"], "batch_size": batch_size,
+                "unit_images": UNIT_IMAGES[dist.device.type]}
+    store = _items.part_store(params, settings, dist.device)
+    results = _items.run_sharded(store, work_units(records, settings["unit_images"]), lambda r: r.image_id,
+                                 lambda unit: lism_unit(unit, by_image, boxes_of, model, batch_size), dist, log, "lism")
+    truth_path = params["lism.ground_truth"]
+    params.check_all_read()
+    if results is None:               # not rank 0: its parts are written
+        _items.finish(dist)
+        return
     with atomic_path(TEST_DIR, is_dir=True) as test_dir:
-        train_rows, tests, meta = run_lism(records, sentences, segments, model, params["lism.batch_size"], test_dir)
+        train_rows, tests, meta = assemble_lism(records, [r for unit in results for r in unit], by_image, boxes_of,
+                                                test_dir)
         write_test_list(test_dir, tests)
     write_parquet(OUT, pd.DataFrame(train_rows))
-    meta = {"model": params["lism.model"], **meta}
+    meta = {"model": params["lism.model"], "device": str(dist.device), **meta}
     write_json(OUT.with_name("local_pairs.meta.json"), meta)
-    truth_path = params["lism.ground_truth"]
     if truth_path and Path(truth_path).exists():
         rows = [{**r, "box": (r["x0"], r["y0"], r["x1"], r["y1"])} for r in train_rows]
         scores = measure_against_ground_truth(rows, read_ground_truth(truth_path, sentences), meta["n_train_images"])
@@ -54,7 +82,8 @@ def main() -> None:
         log.info("no lism.ground_truth: LISM not measured (real data)")
     write_json("metrics/lism.json", {"lism": scores})
     log.info("%s", {k: v for k, v in meta.items() if k != "skipped"})
-    params.check_all_read()
+    store.clear()
+    _items.finish(dist)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from clipfinetune.data.prepare.segments import (
     filter_segments,
     mask_to_box,
     segment_image,
-    shard_of,
 )
+from clipfinetune.parts import units_of_rank, work_units
 
 
 def _scene(h=64, w=80):
@@ -116,9 +116,11 @@ def test_sharded_segmentation_merges_to_the_single_run():
         return [(i, k, s.box) for i in id_list
                 for k, s in enumerate(segment_image(images[i], felzenszwalb_masks))]
     single = run(ids)
-    merged = sorted(run(shard_of(ids, 0, 2)) + run(shard_of(ids, 1, 2)))
+    units = work_units(ids, 2)
+    by_rank = [[i for k in units_of_rank(len(units), rank, 2) for i in units[k]] for rank in range(2)]
+    merged = sorted(run(by_rank[0]) + run(by_rank[1]))
     assert merged == sorted(single)
-    assert sorted(shard_of(ids, 0, 2) + shard_of(ids, 1, 2)) == ids
+    assert sorted(by_rank[0] + by_rank[1]) == ids
 
 
 def test_each_sentence_goes_to_its_most_similar_candidate():
@@ -236,3 +238,27 @@ def test_match_image_forwards_at_one_thread_whatever_the_callers_count(monkeypat
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
     assert results[1] == results[2]
+
+
+def test_shared_gpu_style_batches_match_the_per_image_path():
+    """The GPU path (crops and sentences of several images in shared batches) keeps every image's decisions; its
+    scores differ from the per-image path only in float rounding (here both run on the CPU)."""
+    from PIL import Image
+
+    from clipfinetune.data.prepare.lism import match_images
+    from clipfinetune.models import load_model
+
+    torch.manual_seed(0)
+    model = load_model("cft-tiny-vit").eval()
+    rng = np.random.default_rng(1)
+    jobs = []
+    for k in range(3):
+        image = Image.fromarray(np.clip(_scene() + rng.integers(0, 40, (64, 80, 3)), 0, 255).astype(np.uint8))
+        boxes = [(10.0, 5.0, 30.0, 21.0), (50.0, 40.0, 60.0, 50.0), (0.0, 0.0, 40.0 + k, 64.0)][: k + 1]
+        jobs.append((image, [f"A red box {k}.", "A blue square.", "A grey wall."][: 3 - k], boxes))
+    one_by_one = match_images(model, jobs, batch_size=2, shared_batches=False)
+    shared = match_images(model, jobs, batch_size=2, shared_batches=True)
+    assert [len(m) for m in shared] == [3, 2, 1]
+    for a, b in zip(one_by_one, shared):
+        assert [(m.sentence_index, m.candidate) for m in a] == [(m.sentence_index, m.candidate) for m in b]
+        assert [m.score for m in a] == pytest.approx([m.score for m in b], abs=1e-3)

@@ -90,6 +90,7 @@ class Encoder:
         self.model, self.batch_size = model, int(batch_size)
         self._by_mode: dict[str, dict] = {}       # resize mode -> image cache, shared by `with_resize` views
         self._texts: dict = {}
+        self._regions: dict = {}                  # `regions_key(chunk)` -> features, filled by eval/sharded.py
         self._set_resize(resize_mode)
 
     def _set_resize(self, resize_mode: str) -> None:
@@ -150,6 +151,11 @@ class Encoder:
         size = self.model.image_size
         for s in range(0, len(images), max(1, self.batch_size)):
             chunk = images[s:s + self.batch_size]
+            if self._regions:
+                hit = self._regions.get(regions_key(chunk))
+                if hit is not None:
+                    out.append(hit)
+                    continue
             pils = [load_image(p) for p, _ in chunk]
             x = torch.stack([self.model.transform(im) for im in pils]).to(self._device())
             boxes = [resize_boxes(torch.as_tensor(b, dtype=torch.float32).reshape(-1, 4), im.size, size)
@@ -157,6 +163,13 @@ class Encoder:
             feats = self.model.region_features(x, boxes)
             out.append(F.normalize(feats.float(), dim=-1).cpu())
         return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+def regions_key(images) -> str:
+    """A chunk of `Encoder.regions`' input ((path, boxes), ...) as a string key."""
+    import json
+
+    return json.dumps([[str(p), torch.as_tensor(b, dtype=torch.float32).reshape(-1, 4).tolist()] for p, b in images])
 
 
 def text_classifier(encoder: Encoder, classnames: Sequence[str], templates: Sequence) -> torch.Tensor:

@@ -174,22 +174,30 @@ def benchmark_manifest(benchmarks: dict | None, cache_dir=None) -> tuple[dict, d
     return sets, cost
 
 
-def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_model=None,
-                   text_encoder: str = "own", aro_seed: int = 1, cache_dir=None, items: list | None = None) -> dict:
-    """Run every configured benchmark. `text_model` (e.g. the base model) scores box classes when
-    `text_encoder == "base"`; the choice is recorded under meta. `cache_dir`: where model-independent
-    preprocessing (ARO-Order's POS tags) persists between models; None recomputes it. `items`, when given,
-    receives (metric prefix, Items) for every scored list: `clipfinetune.eval.items.to_frame` tabulates them."""
-    benchmarks = benchmarks or {}
-    enc = Encoder(model, batch_size)
+def make_encoders(model, text_model=None, text_encoder: str = "own", batch_size: int = 128,
+                  new=lambda model, batch_size, tag: Encoder(model, batch_size)) -> tuple[Encoder, Encoder]:
+    """(the evaluated model's encoder, the box classes' text encoder): `text_model`'s when `text_encoder ==
+    "base"`, else the same one. `new(model, batch_size, tag)` builds each ("model" / "text_model")."""
+    enc = new(model, batch_size, "model")
     if text_encoder == "base":
         if text_model is None:
             raise ValueError("box_cls text_encoder 'base' needs the base model")
-        text_enc = Encoder(text_model, batch_size)
-    elif text_encoder == "own":
-        text_enc = enc
-    else:
-        raise ValueError(f"box_cls text_encoder must be own|base, got {text_encoder!r}")
+        return enc, new(text_model, batch_size, "text_model")
+    if text_encoder == "own":
+        return enc, enc
+    raise ValueError(f"box_cls text_encoder must be own|base, got {text_encoder!r}")
+
+
+def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_model=None,
+                   text_encoder: str = "own", aro_seed: int = 1, cache_dir=None, items: list | None = None,
+                   encoders: tuple[Encoder, Encoder] | None = None) -> dict:
+    """Run every configured benchmark. `text_model` (e.g. the base model) scores box classes when
+    `text_encoder == "base"`; the choice is recorded under meta. `cache_dir`: where model-independent
+    preprocessing (ARO-Order's POS tags) persists between models; None recomputes it. `items`, when given,
+    receives (metric prefix, Items) for every scored list: `clipfinetune.eval.items.to_frame` tabulates them.
+    `encoders`: `make_encoders`' pair to use (e.g. with caches filled by eval/sharded.py); default new ones."""
+    benchmarks = benchmarks or {}
+    enc, text_enc = encoders or make_encoders(model, text_model, text_encoder, batch_size)
     metrics: dict = {"skipped": {}, "meta": {"box_cls_text_encoder": text_encoder}}
     skipped = metrics["skipped"]
     unknown = set(benchmarks) - set(TASKS)

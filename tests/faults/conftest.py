@@ -63,6 +63,8 @@ def stage_cmd(stage: str) -> list[str]:
     if stage.startswith("train@"):
         run = stage.split("@", 1)[1]
         return [PY, "stages/train.py", "--run", run, "--method", run, "--stage", stage]
+    if stage.startswith("eval@"):
+        return [PY, "stages/eval.py", "--model", stage.split("@", 1)[1], "--stage", stage]
     return [PY, f"stages/{stage}.py", "--stage", stage]
 
 

@@ -19,6 +19,18 @@ the forwards run with ONE torch intra-op thread (`fixed_threads`): a GEMM's or c
 depends on how many threads split it, and a re-run under another thread count (`OMP_NUM_THREADS`,
 `torch.set_num_threads`, MKL's dynamic threading on a busy machine) would otherwise change low bits of the
 scores, which the parquet keeps. The cost: no intra-op parallelism in LISM's CPU forwards.
+
+On a GPU (`match_images` with the model on CUDA) the candidates and sentences of all the images of a work unit
+are encoded together, `batch_size` per forward, so the crops of many images share a forward. A GPU run
+guarantees the same matching rule and the same outputs' schema and ordering; its scores are the GPU's fp32
+float bits, which depend on the kernels cuBLAS/cuDNN pick for each batch shape, so they can differ from the CPU's
+(and between GPU models or library versions) in low bits, and an argmax between near-ties may flip. A re-run on
+the same GPU, software and unit size computes the same batches; it is not promised bit for bit (the parts of an
+interrupted run are reused as they are).
+
+The stage's loop is split for ranks and resume (stages/lism.py, clipfinetune/parts.py): `lism_unit` matches the
+images of one work unit (a JSON-able result per image), and `assemble_lism` turns every image's result, in image
+order, into the stage's rows, test items and counts: the same whichever rank matched an image.
 """
 from __future__ import annotations
 
@@ -54,20 +66,28 @@ def choose_test_pair(matches: list[SentenceMatch]) -> SentenceMatch:
     return max(matches, key=lambda m: (m.score, -m.sentence_index))
 
 
+def model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
 @torch.inference_mode()
 def embed_images(model, pil_images: list, batch_size: int) -> torch.Tensor:
-    out = []
+    out, device = [], model_device(model)
     for i in range(0, len(pil_images), batch_size):
         batch = torch.stack([model.transform(im) for im in pil_images[i:i + batch_size]])
-        out.append(model.encode_image(batch, normalize=True))
+        out.append(model.encode_image(batch.to(device, non_blocking=True), normalize=True).float().cpu())
     return torch.cat(out) if out else torch.empty(0)
 
 
 @torch.inference_mode()
 def embed_texts(model, texts: list[str], batch_size: int) -> torch.Tensor:
-    out = []
+    out, device = [], model_device(model)
     for i in range(0, len(texts), batch_size):
-        out.append(model.encode_text(model.tokenize(texts[i:i + batch_size]), normalize=True))
+        tokens = model.tokenize(texts[i:i + batch_size]).to(device, non_blocking=True)
+        out.append(model.encode_text(tokens, normalize=True).float().cpu())
     return torch.cat(out) if out else torch.empty(0)
 
 
@@ -92,6 +112,25 @@ def match_image(model, image, sentences: list[str], boxes: list[tuple], batch_si
         candidate_emb = embed_images(model, [image, *crops], batch_size)
         sentence_emb = embed_texts(model, sentences, batch_size)
         return match_sentences(sentence_emb, candidate_emb)
+
+
+def match_images(model, jobs: list[tuple], batch_size: int = 64,
+                 shared_batches: bool | None = None) -> list[list[SentenceMatch]]:
+    """`match_image` for each (PIL image, sentences, boxes) of `jobs`. By default on the CPU one image at a time
+    (the byte-identical path), on a GPU every candidate and sentence of `jobs` in shared batches (module
+    docstring); `shared_batches` forces either."""
+    if shared_batches is None:
+        shared_batches = model_device(model).type != "cpu"
+    if not shared_batches:
+        return [match_image(model, image, texts, boxes, batch_size) for image, texts, boxes in jobs]
+    candidates = [[image, *(image.crop(tuple(round(v) for v in box)) for box in boxes)] for image, _, boxes in jobs]
+    candidate_emb = embed_images(model, [c for cs in candidates for c in cs], batch_size)
+    sentence_emb = embed_texts(model, [t for _, texts, _ in jobs for t in texts], batch_size)
+    out, ci, si = [], 0, 0
+    for cs, (_, texts, _) in zip(candidates, jobs):
+        out.append(match_sentences(sentence_emb[si:si + len(texts)], candidate_emb[ci:ci + len(cs)]))
+        ci, si = ci + len(cs), si + len(texts)
+    return out
 
 
 def box_iou(a, b) -> float:
@@ -131,42 +170,67 @@ def _split(record) -> str:
     return record.split or TRAIN_SPLIT       # a format without splits is training data
 
 
-def run_lism(records, sentences, segments, model, batch_size: int, test_dir) -> tuple[list[dict], list, dict]:
-    """LISM over a long-caption source's `records` (`readers.Record`): every sentence of each train-split image
-    matched to a region (rows of local_pairs.parquet, `chosen` marking the image's training pair) and, for the
-    test split, GOAL's joint test-list items written under `test_dir` (`eval.global_local.test_items`).
-    Returns (train rows, test items, meta)."""
-    from clipfinetune.eval.global_local import test_items
+def lism_unit(records, by_image: dict, boxes_of: dict, model, batch_size: int) -> list[dict]:
+    """Match every train/test image of `records` (one work unit) -> one JSON-able result per record: {"split"}
+    for another split, {"skip", "file"?} when it has no sentences or cannot be read, else {"size": [w, h],
+    "matches": [[sentence position, candidate, score], ...]}. `by_image`/`boxes_of`: `lism_inputs`."""
     from clipfinetune.io import InputError
 
+    results, jobs, slots = [], [], []
+    for record in records:
+        image_id, split = record.image_id, _split(record)
+        if split not in (TRAIN_SPLIT, TEST_SPLIT):
+            results.append({"split": split})
+        elif image_id not in by_image:
+            results.append({"skip": "no sentences"})
+        else:
+            try:
+                image = record.read_image()
+            except InputError as e:
+                results.append({"skip": str(e), "file": str(record.path)})
+                continue
+            results.append({"size": [image.width, image.height]})
+            jobs.append((image, by_image[image_id]["text"].tolist(), boxes_of.get(image_id, [])))
+            slots.append(len(results) - 1)
+    for slot, matches in zip(slots, match_images(model, jobs, batch_size)):
+        results[slot]["matches"] = [[m.sentence_index, m.candidate, m.score] for m in matches]
+    return results
+
+
+def lism_inputs(sentences, segments) -> tuple[dict, dict]:
+    """({image_id: its sentences in order}, {image_id: its segment boxes}) from sentences/segments.parquet."""
     by_image = {k: g.sort_values("sentence_index") for k, g in sentences.groupby("image_id")}
     boxes_of = {k: [tuple(r) for r in g[["x0", "y0", "x1", "y1"]].itertuples(index=False)]
                 for k, g in segments.groupby("image_id")}
+    return by_image, boxes_of
+
+
+def assemble_lism(records, results: list[dict], by_image: dict, boxes_of: dict, test_dir) -> tuple[list, list, dict]:
+    """Every record's `lism_unit` result (records sorted by image id, results in the same order) -> (train rows,
+    test items written under `test_dir` (`eval.global_local.test_items`), meta)."""
+    from clipfinetune.eval.global_local import test_items
+
     train_rows, tests, skipped, other_splits = [], [], [], {}
-    for record in sorted(records, key=lambda r: r.image_id):
+    for record, res in zip(records, results, strict=True):
         image_id, split = record.image_id, _split(record)
-        if split not in (TRAIN_SPLIT, TEST_SPLIT):
+        if "split" in res:
             other_splits[split] = other_splits.get(split, 0) + 1
             continue
-        if image_id not in by_image:
-            skipped.append({"image_id": image_id, "reason": "no sentences"})
-            continue
-        try:
-            image = record.read_image()
-        except InputError as e:
-            skipped.append({"image_id": image_id, "file": str(record.path), "reason": str(e)})
+        if "skip" in res:
+            skipped.append({"image_id": image_id, **({"file": res["file"]} if "file" in res else {}),
+                            "reason": res["skip"]})
             continue
         texts = by_image[image_id]["text"].tolist()
         idx = by_image[image_id]["sentence_index"].tolist()
         boxes = boxes_of.get(image_id, [])
-        matches = match_image(model, image, texts, boxes, batch_size)
+        matches = [SentenceMatch(i, c, score) for i, c, score in res["matches"]]
         if split == TEST_SPLIT:
             best = choose_test_pair(matches)
             crop = (best.candidate, boxes[best.candidate - 1]) if best.candidate else None
-            tests.append(test_items(image, image_id, record.image, record.long_caption, texts[best.sentence_index],
-                                    crop, best.score, test_dir))
+            tests.append(test_items(record.read_image(), image_id, record.image, record.long_caption,
+                                    texts[best.sentence_index], crop, best.score, test_dir))
             continue
-        full = (0.0, 0.0, float(image.width), float(image.height))
+        full = (0.0, 0.0, float(res["size"][0]), float(res["size"][1]))
         chosen = choose_training_pair(matches)
         for m in matches:
             box = boxes[m.candidate - 1] if m.candidate else full
@@ -181,6 +245,17 @@ def run_lism(records, sentences, segments, model, batch_size: int, test_dir) -> 
     meta = {"n_train_images": n_train, "n_test_images": len(tests), "n_pairs": n_pairs,
             "global_wins": n_train - train_skipped - n_pairs, "skipped": skipped, "other_splits": other_splits}
     return train_rows, tests, meta
+
+
+def run_lism(records, sentences, segments, model, batch_size: int, test_dir) -> tuple[list[dict], list, dict]:
+    """LISM over a long-caption source's `records` (`readers.Record`) in one process: every sentence of each
+    train-split image matched to a region (rows of local_pairs.parquet, `chosen` marking the image's training
+    pair) and, for the test split, GOAL's joint test-list items written under `test_dir`
+    (`eval.global_local.test_items`). Returns (train rows, test items, meta)."""
+    records = sorted(records, key=lambda r: r.image_id)
+    by_image, boxes_of = lism_inputs(sentences, segments)
+    results = lism_unit(records, by_image, boxes_of, model, batch_size)
+    return assemble_lism(records, results, by_image, boxes_of, test_dir)
 
 
 def read_ground_truth(path, sentences) -> dict:

@@ -96,7 +96,3 @@ def segment_image(image: np.ndarray, masks_fn: Callable[[np.ndarray], list[np.nd
     h, w = image.shape[:2]
     return filter_segments(masks_fn(image), h * w, min_area, max_area)
 
-
-def shard_of(items: list, rank: int, world_size: int) -> list:
-    """The slice of `items` one rank processes (strided, so ranks stay balanced)."""
-    return items[rank::world_size]

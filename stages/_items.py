@@ -1,0 +1,55 @@
+"""What the item stages (segments, lism, eval) share: their device and ranks, and their per-rank part files.
+
+`compute.device` (auto | cpu | cuda) goes through the one device rule (`clipfinetune.train.distributed`): under
+torchrun each rank takes `cuda:LOCAL_RANK` when CUDA is used, else the CPU. The items are split into fixed work
+units across the ranks; parts live under data/cache/<stage>/<fingerprint>/ (`clipfinetune.parts`), outside DVC's
+outputs, so a killed run resumes from them; rank 0 merges them and writes the outputs.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import _common
+
+from clipfinetune import parts
+
+CACHE_ROOT = "data/cache"        # relative to the working directory (the project root); a shared FS across nodes
+
+
+def setup_device(params):
+    """DistInfo (rank, world_size, local_rank, device) from `compute.device` and torchrun's environment."""
+    from clipfinetune.train.distributed import init_distributed
+
+    setting = params.get("compute.device", "auto")
+    if setting not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"stage {params.stage}: compute.device must be auto, cpu or cuda, got {setting!r}")
+    return init_distributed(None if setting == "auto" else setting)
+
+
+def part_store(params, settings: dict, device, codec: str = "json") -> parts.PartStore:
+    """The stage's parts, keyed by a fingerprint of `settings` (what it computes with), the device TYPE (the same on
+    every rank: cuda:0 and cuda:1 share one key), on the CPU torch's thread count, and its dvc.yaml deps."""
+    import torch
+
+    device_type = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    # on the CPU a kernel's float bits can follow the intra-op thread count: a resume at another count recomputes
+    threads = torch.get_num_threads() if device_type == "cpu" else None
+    with contextlib.chdir(_common.ROOT):         # DVC resolves the stage name against the working directory
+        inputs = _common.stage_inputs(params.stage)
+    key = parts.fingerprint(params.stage, {**settings, "device": device_type, "torch_threads": threads}, inputs,
+                            _common.ROOT)
+    return parts.PartStore(Path(CACHE_ROOT), params.stage, key, codec)     # beside the outputs (relative, like OUT)
+
+
+def run_sharded(store, units, ids_of, compute, dist, log, what: str, stream: bool = False):
+    """`clipfinetune.parts.run_sharded` with the process group's barrier; rank 0 gets every unit's result."""
+    from clipfinetune.train.distributed import barrier
+
+    return parts.run_sharded(store, units, ids_of, compute, dist.rank, dist.world_size, barrier, log, what, stream)
+
+
+def finish(dist) -> None:
+    from clipfinetune.train.distributed import cleanup
+
+    cleanup()

@@ -1,0 +1,60 @@
+"""Item stages (segments, lism, eval) under torchrun (issue 32): as 2 gloo ranks on the fault suite's tiny project
+their outputs are byte-identical to one process's; eval@base's kill-and-resume case and the stale-parts case of
+tests/faults/test_faults_resume.py (too slow for `make test`). Minutes: tests/scale/ only."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from faults.conftest import ENV, PY, Project, run_stage, tiny_project  # noqa: F401  (the session fixture)
+from faults.test_faults_resume import (
+    EVAL_OUTPUTS,
+    INPUTS,
+    check_kill_and_resume,
+    kill_after_first_part,
+    outputs,
+    part_files,
+)
+
+
+def run_ranks(proj: Project, stage: str, nproc: int = 2) -> None:
+    name, _, model = stage.partition("@")
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), f"stages/{name}.py",
+           *(["--model", model] if model else []), "--stage", stage]
+    proc = subprocess.run(cmd, cwd=proj.root, env=ENV, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, f"{stage} as {nproc} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+@pytest.mark.parametrize("stage", list(INPUTS))
+def test_two_gloo_ranks_write_what_one_process_writes(tiny_project, tmp_path, stage):  # noqa: F811
+    proj = tiny_project.clone(tmp_path / "proj", INPUTS[stage])
+    if stage.startswith("eval@"):
+        run_stage(proj.root, stage)
+        one = outputs(proj, stage)
+        for rel in EVAL_OUTPUTS:
+            (proj / rel).unlink()
+    else:
+        one = tiny_project.snapshot(stage)
+    run_ranks(proj, stage)
+    assert outputs(proj, stage) == one
+    assert not part_files(proj, stage)
+
+
+def test_killed_eval_resumes_from_its_parts_byte_identical(tiny_project, tmp_path):  # noqa: F811
+    check_kill_and_resume(tiny_project, tmp_path, "eval@base")
+
+
+def test_parts_of_another_fingerprint_are_never_used(tiny_project, tmp_path):  # noqa: F811
+    """A stale part (another fingerprint: here a forged one with wrong rows) is deleted, not merged."""
+    proj = tiny_project.clone(tmp_path / "proj", INPUTS["segments"])
+    kill_after_first_part(proj, "segments")
+    (part,) = part_files(proj, "segments")[:1]
+    stale = part.parent.with_name("0" * 24) / part.name
+    stale.parent.mkdir()
+    stale.write_text(part.read_text().replace('"rows": [[', '"rows": [["forged", 0, 0, 0, 1, 1, 0.5], ['))
+    part.unlink()
+    rerun = run_stage(proj.root, "segments")
+    assert "deleted the parts of other runs" in rerun.stdout + rerun.stderr
+    assert proj.snapshot("segments") == tiny_project.snapshot("segments")
+    assert not stale.parent.exists()
+
