@@ -44,12 +44,13 @@ def main() -> None:
     out, live_dir = ROOT / "models" / "base", ROOT / "dvclive" / "pretrain"
 
     from clipfinetune.io import write_json
-    from clipfinetune.models import export_model, load_model
+    from clipfinetune.models import export_model, load_model, quick_gelu_setting
 
+    quick_gelu = quick_gelu_setting(params["model.quick_gelu"])   # for weights that do not record it
     if pretrained:
         log.info("model.pretrained=%r: exporting these weights unchanged to %s (no pretraining)", pretrained, out)
         if int(os.environ.get("RANK", "0")) == 0:          # under torchrun, one writer
-            export_model(load_model(name, pretrained), out)
+            export_model(load_model(name, pretrained, quick_gelu=quick_gelu), out)
             shutil.rmtree(live_dir, ignore_errors=True)    # no curves of an earlier from-scratch run beside the note
             write_json(live_dir / "skipped.json", {"pretrained": pretrained, "model": name,
                                                    "reason": "model.pretrained is set: weights exported unchanged"})
