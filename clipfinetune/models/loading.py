@@ -143,7 +143,7 @@ def _agreed_quick_gelu(source, claims: list[tuple[bool, str]], requested: bool |
         raise InputError(source, "quick_gelu", f"the weights do not record their activation (QuickGELU or GELU) "
                                                f"and their config sets none: set {QUICK_GELU_PARAM}: true for "
                                                "weights trained with QuickGELU (OpenAI's, and the open_clip tags "
-                                               "whose metadata says quick_gelu), false for GELU (e.g. LAION's)")
+                                               "whose metadata says quick_gelu), false for GELU (e.g. LAION-2B's)")
     if len({value for value, _ in claims}) > 1:
         said = "; ".join(f"{who}: quick_gelu={value}" for value, who in claims)
         raise InputError(source, "quick_gelu", f"disagreement about the activation of these weights ({said})")
