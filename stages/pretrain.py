@@ -33,7 +33,7 @@ GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretrainin
 LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts
 REGION_KEY = "regions"      # record.extra key: every object's box, labels and name (warm-up and region-text terms)
 OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr", "label_warmup_regions",
-            "region_text_weight")   # keys TrainConfig does not hold
+            "region_text_weight", "keep_checkpoint")   # keys TrainConfig does not hold
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
-    from clipfinetune.train.checkpoint import seed_everything
+    from clipfinetune.train.checkpoint import remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
     from clipfinetune.train.label_warmup import label_warmup
     from clipfinetune.train.pretraining import PretrainMethod
@@ -100,6 +100,8 @@ def main() -> None:
         if dist.is_main:
             export_model(model, out)
             log.info("exported %s", out)
+            if not settings["keep_checkpoint"]:
+                remove_checkpoints(ROOT / "checkpoints" / "pretrain")
         params.check_all_read()
     finally:
         cleanup()

@@ -10,7 +10,8 @@ its `method` and the method's constructor arguments (loss weights, `terms`, `unl
 `train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per image, or the
 method's own unit (captions, word-region pairs), as the papers count epochs.
 
-Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it) carries a fingerprint of
+Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it; removed once the model is
+exported unless `train.keep_checkpoint`) carries a fingerprint of
 the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
 unchanged resumes; after `dvc exp run -S ...` or a code change the run starts from scratch.
 """
@@ -27,6 +28,7 @@ def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]
     from clipfinetune.train import merge_train_settings
 
     train = dict(params["train"])
+    train.pop("keep_checkpoint")                         # the stage's, not the optimiser's
     override = train.pop(method, {})
     groups = [k for k, v in train.items() if isinstance(v, dict)]
     if groups:
@@ -54,7 +56,7 @@ def main() -> None:
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
-    from clipfinetune.train.checkpoint import seed_everything
+    from clipfinetune.train.checkpoint import remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
 
     method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
@@ -76,7 +78,8 @@ def main() -> None:
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), dist.world_size, ROOT)
         live_dir = ROOT / "dvclive" / "train" / args.run
-        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=ROOT / "checkpoints" / args.run,
+        checkpoint_dir = ROOT / "checkpoints" / args.run
+        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir,
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc=params.stage)
         module = trainer.fit()
         if dist.is_main:
@@ -85,6 +88,8 @@ def main() -> None:
                                                 "epoch_unit": loader.epoch_unit, "units": loader.num_units,
                                                 "batches_per_epoch": len(loader), **dict(loader.stats)})
             log.info("exported models/%s", args.run)
+            if not params["train.keep_checkpoint"]:
+                remove_checkpoints(checkpoint_dir)
         params.check_all_read()
     finally:
         cleanup()

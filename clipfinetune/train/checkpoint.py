@@ -100,6 +100,14 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
         torch.save({"format": FORMAT, **checkpoint}, tmp)
 
 
+def remove_checkpoints(checkpoint_dir: str | os.PathLike) -> None:
+    """Delete a run's resume checkpoints once its model is exported: DVC caches the exported model, and a
+    checkpoint (weights + optimiser state, ~3x the model) is then never read again."""
+    import shutil
+
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """Read a checkpoint with `weights_only=True`; a clear `CheckpointError` naming the file otherwise."""
     path = Path(path)
