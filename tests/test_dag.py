@@ -60,6 +60,10 @@ def dag(tmp_path_factory):
     write_params(repo, {"runs": {"fsc_clip": {"lambda_l": 0.2}}})        # by hand, then back
     rec["status_changed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
+    llm = repo / "clipfinetune" / "data" / "negatives" / "degla" / "llm.py"   # a module only `negatives` imports
+    llm.write_text(llm.read_text() + "# edited\n")
+    rec["status_llm_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "git", "checkout", "--", str(llm.relative_to(repo)))
     write_params(repo, {"train": {"seed": 7}})
     rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
@@ -125,6 +129,11 @@ def test_every_runs_curves_render_in_plots_show(dag):
 def test_changing_lambda_l_marks_exactly_train_fsc_clip_and_report(dag):
     assert set(_changed(dag["status_changed"])) == {"train@fsc_clip", "report"}
     assert "runs.fsc_clip" in json.dumps(dag["status_changed"])
+
+
+def test_editing_a_module_marks_only_the_stages_that_import_it(dag):
+    """Code deps are import closures (clipfinetune/deps.py): DeGLA's LLM client is `negatives`' alone."""
+    assert list(_changed(dag["status_llm_edit"])) == ["negatives"]
 
 
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
