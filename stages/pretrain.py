@@ -60,7 +60,7 @@ def main() -> None:
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
-    from clipfinetune.train.checkpoint import remove_checkpoints, seed_everything
+    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
     from clipfinetune.train.label_warmup import label_warmup
     from clipfinetune.train.pretraining import PretrainMethod
@@ -86,7 +86,8 @@ def main() -> None:
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)
         fp = fingerprint(params.stage, {"model": {"name": name, "pretrained": pretrained, "precision": precision},
-                                        "pretrain": settings}, stage_inputs(params.stage), dist.world_size, ROOT)
+                                        "pretrain": settings}, stage_inputs(params.stage), dist.world_size)
+        check_ranks_agree(fp, dist)
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
         trainer = Trainer(method, model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")

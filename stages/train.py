@@ -56,7 +56,7 @@ def main() -> None:
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
-    from clipfinetune.train.checkpoint import remove_checkpoints, seed_everything
+    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
 
     method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
@@ -76,7 +76,8 @@ def main() -> None:
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
-                         stage_inputs(params.stage), dist.world_size, ROOT)
+                         stage_inputs(params.stage), dist.world_size)
+        check_ranks_agree(fp, dist)
         live_dir = ROOT / "dvclive" / "train" / args.run
         checkpoint_dir = ROOT / "checkpoints" / args.run
         trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir,
