@@ -89,12 +89,9 @@ def make_batch(method, ctx, samples, n: int, seed: int = 0) -> dict:
 def method_config(name: str, params: dict) -> dict:
     from clipfinetune.methods import get_method
 
-    if name == "custom":
-        return {"terms": params["custom"]["terms"]}
     cls = get_method(name)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    pool = {**params["loss"], "unlocked_vision_layers": params["model"]["unlocked_vision_layers"],
-            "max_sentences": params["sentences"]["max_sentences"], **(params["train"].get(name) or {})}
+    pool = {**params["runs"][name], **(params["train"].get(name) or {})}     # the method's own run (params `runs`)
     return {k: v for k, v in pool.items() if k in accepted}
 
 

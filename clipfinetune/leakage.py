@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-COCO_NAME = re.compile(r"^(?:COCO_[a-z]+\d{4}_)?(\d{12})\.(?:jpg|jpeg|png)$", re.IGNORECASE)
+from clipfinetune.data.readers.coco import coco_id_of
+
 IMAGES_NOT_FILES = ("wds",)   # readers whose images live inside archives (Record.data), not as files
 SHOWN = 5            # ids named in the error per overlapping set
 DIGEST_CACHE = Path("data/cache/leakage")   # the project's digest cache (stages shards and benchmarks, validate)
@@ -69,11 +69,6 @@ class LeakageError(ValueError):
         super().__init__("training images overlap evaluation sets (use a leak-free split, e.g. Karpathy "
                          "train+restval for the Karpathy test, train2017 only with val2017):\n  "
                          + "\n  ".join(str(o) for o in overlaps))
-
-
-def coco_id_of(path: str | os.PathLike) -> int | None:
-    m = COCO_NAME.match(Path(path).name)
-    return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------- training images

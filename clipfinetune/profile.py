@@ -7,7 +7,8 @@ Several profiles are merged in the order given (a paper's recipe after the share
 
 A profile is a plain params file holding only the keys it changes, at the same paths as in params.yaml (never a
 block that shadows them). `apply` rewrites params.yaml in place, keeping its comments and key order: mappings
-merge key by key, anything else (scalars, lists) replaces; keys new to params.yaml (e.g. a benchmark set
+merge key by key, except the top-level groups in WHOLE (`runs`: a recipe names its paper's runs and no other), which
+a profile replaces whole; anything else (scalars, lists) replaces; keys new to params.yaml (e.g. a benchmark set
 `eval.benchmarks.retrieval.coco5k`) are added. params.yaml stays the only file DVC reads, so `dvc exp run -S
 loss.lambda_l=...`, `dvc params diff` and `dvc exp show` work unchanged afterwards; commit the applied params.yaml
 (or run the profile as an experiment: `dvc exp run -n real $(python -m clipfinetune.profile set-args ...)`).
@@ -36,12 +37,16 @@ def load(path) -> dict:
         return _yaml().load(f) or {}
 
 
-def deep_merge(base: dict, overlay: dict, prefix: str = "") -> list[str]:
-    """Merge `overlay` into `base` in place; returns the dotted keys whose value changed or was added."""
+WHOLE = ("runs",)                   # top-level groups a profile replaces instead of merging
+
+
+def deep_merge(base: dict, overlay: dict, prefix: str = "", whole: tuple = ()) -> list[str]:
+    """Merge `overlay` into `base` in place (the top-level keys in `whole` replaced, not merged); returns the dotted
+    keys whose value changed or was added."""
     changed = []
     for key, value in overlay.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value and isinstance(base.get(key), dict):
+        if isinstance(value, dict) and value and isinstance(base.get(key), dict) and key not in whole:
             changed += deep_merge(base[key], value, dotted + ".")
         elif key not in base or base[key] != value:
             base[key] = value
@@ -66,13 +71,13 @@ def merged(profile_paths) -> dict:
     """Several profiles deep-merged in order (a later one wins)."""
     out: dict = {}
     for path in _paths(profile_paths):
-        deep_merge(out, load(path))
+        deep_merge(out, load(path), whole=WHOLE)
     return out
 
 
 def apply(profile_paths, params_path="params.yaml", dry_run: bool = False) -> list[str]:
     params = load(params_path)
-    changed = deep_merge(params, merged(profile_paths))     # the profiles first: a key a later one resets is no change
+    changed = deep_merge(params, merged(profile_paths), whole=WHOLE)     # the profiles first: a key a later one resets is no change
     if not dry_run:
         tmp = Path(str(params_path) + ".tmp")
         with open(tmp, "w") as f:
@@ -85,7 +90,11 @@ def set_args(profile_paths) -> list[str]:
     """`-S key=value` pairs (Hydra override grammar, values as JSON) for `dvc exp run`; keys new to params.yaml
     need a leading `+`, which the caller adds (`dvc exp run` names such keys in its error)."""
     out = []
-    for key, value in flatten(merged(profile_paths)):
+    profile = merged(profile_paths)
+    for key in WHOLE:                   # one value, not its leaves (Hydra merges a dict into the existing one:
+        if key in profile:              # check `dvc exp show` lists only the recipe's runs)
+            out += ["-S", f"{key}={_hydra(profile.pop(key))}"]
+    for key, value in flatten(profile):
         out += ["-S", f"{key}={_hydra(value)}"]
     return out
 

@@ -95,14 +95,19 @@ def setup_logging(stage: str) -> logging.Logger:
     return logging.getLogger(stage)
 
 
-def stage_inputs(stage: str) -> list[str]:
-    """The stage's dvc.yaml deps (code and data) for the checkpoint fingerprint; params.yaml is covered by the
-    declared params themselves."""
+def stage_inputs(stage: str) -> dict[str, str]:
+    """The stage's dvc.yaml deps (code and data) -> their content hash as DVC computes it (md5; a folder's .dir
+    md5; "missing"), for the checkpoint fingerprint. DVC's state cache keeps a big input from being re-read.
+    params.yaml is covered by the declared params themselves."""
     from dvc.repo import Repo
 
+    out = {}
     with lockfile_skipped(), Repo(str(ROOT)) as repo:
         (info,) = repo.stage.collect_granular(stage)
-        return [d.def_path for d in info.stage.deps if d.def_path != "params.yaml"]
+        for dep in info.stage.deps:
+            if dep.def_path != "params.yaml":
+                out[dep.def_path] = dep.get_hash().value if dep.exists else "missing"
+    return out
 
 
 def start(doc: str, default_stage=None, add_arguments=None):

@@ -37,7 +37,7 @@ def load_exported(name: str, device="cpu"):
 
 
 def main() -> None:
-    args, params, log = start(__doc__, lambda a: f"eval@{a.model}", lambda p: p.add_argument(
+    args, params, log = start(__doc__, lambda a: "eval_base" if a.model == "base" else f"eval@{a.model}", lambda p: p.add_argument(
         "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"))
     if params["eval.threads"]:
         torch.set_num_threads(int(params["eval.threads"]))

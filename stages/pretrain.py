@@ -33,7 +33,7 @@ GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretrainin
 LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts
 REGION_KEY = "regions"      # record.extra key: every object's box, labels and name (warm-up and region-text terms)
 OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_lr", "label_warmup_regions",
-            "region_text_weight")   # keys TrainConfig does not hold
+            "region_text_weight", "keep_checkpoint")   # keys TrainConfig does not hold
 
 
 def main() -> None:
@@ -44,12 +44,13 @@ def main() -> None:
     out, live_dir = ROOT / "models" / "base", ROOT / "dvclive" / "pretrain"
 
     from clipfinetune.io import write_json
-    from clipfinetune.models import export_model, load_model
+    from clipfinetune.models import export_model, load_model, quick_gelu_setting
 
+    quick_gelu = quick_gelu_setting(params["model.quick_gelu"])   # for weights that do not record it
     if pretrained:
         log.info("model.pretrained=%r: exporting these weights unchanged to %s (no pretraining)", pretrained, out)
         if int(os.environ.get("RANK", "0")) == 0:          # under torchrun, one writer
-            export_model(load_model(name, pretrained), out)
+            export_model(load_model(name, pretrained, quick_gelu=quick_gelu), out)
             shutil.rmtree(live_dir, ignore_errors=True)    # no curves of an earlier from-scratch run beside the note
             write_json(live_dir / "skipped.json", {"pretrained": pretrained, "model": name,
                                                    "reason": "model.pretrained is set: weights exported unchanged"})
@@ -59,7 +60,7 @@ def main() -> None:
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
-    from clipfinetune.train.checkpoint import seed_everything
+    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
     from clipfinetune.train.label_warmup import label_warmup
     from clipfinetune.train.pretraining import PretrainMethod
@@ -85,7 +86,8 @@ def main() -> None:
                  name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
                  cfg.precision, dist.device)
         fp = fingerprint(params.stage, {"model": {"name": name, "pretrained": pretrained, "precision": precision},
-                                        "pretrain": settings}, stage_inputs(params.stage), dist.world_size, ROOT)
+                                        "pretrain": settings}, stage_inputs(params.stage), dist.world_size)
+        check_ranks_agree(fp, dist)
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
         trainer = Trainer(method, model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
@@ -99,6 +101,8 @@ def main() -> None:
         if dist.is_main:
             export_model(model, out)
             log.info("exported %s", out)
+            if not settings["keep_checkpoint"]:
+                remove_checkpoints(ROOT / "checkpoints" / "pretrain")
         params.check_all_read()
     finally:
         cleanup()

@@ -17,7 +17,7 @@ from clipfinetune.report.summary import load_items, load_metrics, render_markdow
 
 def main() -> None:
     _, params, log = start(__doc__, "report")
-    models = list(params["eval.models"])
+    models = ["base", *params["runs"]]          # eval_base, then eval@<run> for every run
     metrics = load_metrics({m: Path("metrics") / f"{m}.json" for m in models})
     items = load_items({m: Path("metrics") / "items" / f"{m}.parquet" for m in models})
     paper, numbers_file, name = None, Path(params["eval.report.paper_numbers"]), params["eval.report.paper"]

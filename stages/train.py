@@ -5,13 +5,13 @@
 
 Params (only those dvc.yaml declares for the run): the shared `train.*` defaults, overridden key by key by the
 method's group `train.<method>.*` (unknown keys are an error; a method may allow extra keys, e.g. MulCLIP's
-`new_module_lr`, which go to the method); `model.precision`; and the run's loss/method keys, flattened to their
-last key to construct the method: `loss.lambda_l` -> lambda_l, `ablations.<run>.lambda_l` -> lambda_l,
-`custom.terms` -> terms, `model.unlocked_vision_layers` -> unlocked_vision_layers, `sentences.max_sentences` ->
-max_sentences. `train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per
-image, or the method's own unit (captions, word-region pairs), as the papers count epochs.
+`new_module_lr`, which go to the method); `model.precision`; and the run's own group `runs.<run>`, declared whole:
+its `method` and the method's constructor arguments (loss weights, `terms`, `unlocked_vision_layers`, ...).
+`train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per image, or the
+method's own unit (captions, word-region pairs), as the papers count epochs.
 
-Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it) carries a fingerprint of
+Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it; removed once the model is
+exported unless `train.keep_checkpoint`) carries a fingerprint of
 the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
 unchanged resumes; after `dvc exp run -S ...` or a code change the run starts from scratch.
 """
@@ -21,24 +21,6 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import ROOT, stage_inputs, start
 
 LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
-METHOD_GROUPS = ("loss", "ablations", "custom", "model", "sentences")
-
-
-def method_config(groups: dict, run: str) -> dict:
-    """Declared loss/method params flattened to their last key (ablations.<run>.x -> x, custom.terms -> terms)."""
-    config: dict = {}
-    for group, values in groups.items():
-        if values is None:
-            continue
-        if group == "ablations":
-            values = values[run]
-        for key, value in values.items():
-            if group == "model" and key == "precision":
-                continue
-            if key in config and config[key] != value:
-                raise ValueError(f"param {group}.{key} clashes with another declared key of the same last name")
-            config[key] = value
-    return config
 
 
 def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]:
@@ -46,13 +28,19 @@ def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]
     from clipfinetune.train import merge_train_settings
 
     train = dict(params["train"])
+    train.pop("keep_checkpoint")                         # the stage's, not the optimiser's
     override = train.pop(method, {})
     groups = [k for k, v in train.items() if isinstance(v, dict)]
     if groups:
         raise ValueError(f"{params.stage}: unexpected training groups {groups} (the run's method is {method!r})")
     settings, extras = merge_train_settings(train, override, method_cls.train_keys, f"train.{method}")
-    config = {**method_config({g: params.get(g) for g in METHOD_GROUPS}, run), **extras}
-    return settings, config
+    config = dict(params[f"runs.{run}"])
+    if config.pop("method") != method:
+        raise ValueError(f"{params.stage}: runs.{run}.method is not {method!r}")
+    clash = set(config) & set(extras)
+    if clash:
+        raise ValueError(f"{params.stage}: {sorted(clash)} set in both runs.{run} and train.{method}")
+    return settings, {**config, **extras}
 
 
 def add_arguments(parser) -> None:
@@ -68,7 +56,7 @@ def main() -> None:
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
     from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
-    from clipfinetune.train.checkpoint import seed_everything
+    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
 
     method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
@@ -90,9 +78,11 @@ def main() -> None:
                              epoch_samples=cfg.epoch_samples)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
-                         stage_inputs(params.stage), dist.world_size, ROOT)
+                         stage_inputs(params.stage), dist.world_size)
+        check_ranks_agree(fp, dist)
         live_dir = ROOT / "dvclive" / "train" / args.run
-        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=ROOT / "checkpoints" / args.run,
+        checkpoint_dir = ROOT / "checkpoints" / args.run
+        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir,
                           live_dir=live_dir, fingerprint=fp, dist=dist, desc=params.stage)
         module = trainer.fit()
         if dist.is_main:
@@ -101,6 +91,8 @@ def main() -> None:
                                                 "epoch_unit": loader.epoch_unit, "units": loader.num_units,
                                                 "batches_per_epoch": len(loader), **dict(loader.stats)})
             log.info("exported models/%s", args.run)
+            if not params["train.keep_checkpoint"]:
+                remove_checkpoints(checkpoint_dir)
         params.check_all_read()
     finally:
         cleanup()

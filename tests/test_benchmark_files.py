@@ -146,8 +146,8 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     shutil.copy(repo / "data" / "sample" / "karpathy" / "dataset_coco.json", ext / "dataset_coco.json")
     write_params(repo, {"eval": {"benchmarks": {"retrieval": {"ext": {"karpathy": "datasets/ext/dataset_coco.json",
                                                                       "images": "datasets/ext/images"}}}}})
-    first = RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout)
-    assert {"benchmarks", "eval@base"} <= set(first)
+    first = RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout)
+    assert {"benchmarks", "eval_base"} <= set(first)
     metrics = json.loads((repo / "metrics" / "base.json").read_text())
     assert "ext" in metrics["retrieval"]
     import pyarrow.parquet as pq
@@ -157,8 +157,8 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     assert meta[METRICS_KEY.encode()].decode() == (repo / "metrics" / "base.json").read_text()
 
     # unchanged: the manifest is re-listed, nothing else runs
-    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks"]
-    assert json.loads(run(repo, "dvc", "status", "--json", "eval@base").stdout) == {}
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks"]
+    assert json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout) == {}
 
     # a caption of the external set edited in place
     data = json.loads((ext / "dataset_coco.json").read_text())
@@ -166,14 +166,14 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     test_image["sentences"][0]["raw"] = "an edited caption"
     (ext / "dataset_coco.json").write_text(json.dumps(data))
     run(repo, "dvc", "repro", "--single-item", "benchmarks")
-    status = json.loads(run(repo, "dvc", "status", "--json", "eval@base").stdout)
-    assert status == {"eval@base": [{"changed deps": {"data/prepared/benchmarks.json": "modified"}}]}
-    dry = RAN.findall(run(repo, "dvc", "repro", "--dry", "eval@base").stdout)
-    assert dry == ["benchmarks", "eval@base"]
-    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks", "eval@base"]
+    status = json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout)
+    assert status == {"eval_base": [{"changed deps": {"data/prepared/benchmarks.json": "modified"}}]}
+    dry = RAN.findall(run(repo, "dvc", "repro", "--dry", "eval_base").stdout)
+    assert dry == ["benchmarks", "eval_base"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]
 
     # an image of it rewritten in place (another picture, same name)
     image = ext / "images" / "val" / Path(test_image["filename"]).name
     shutil.copy(next(p for p in (ext / "images" / "val").iterdir() if p != image), image)
-    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks", "eval@base"]
-    assert RAN.findall(run(repo, "dvc", "repro", "eval@base").stdout) == ["benchmarks"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks"]

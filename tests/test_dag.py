@@ -5,9 +5,10 @@ the tests read what it recorded (stage `benchmarks` is always changed: it re-lis
 repro, and its unchanged output re-runs nothing):
   - a second `dvc repro` runs only `benchmarks` and `dvc status` shows nothing else;
   - every run's dvclive curves render in `dvc plots show`;
-  - changing `loss.lambda_l` makes `dvc status` list exactly `train@fsc_clip`;
+  - changing `runs.fsc_clip.lambda_l` makes `dvc status` list exactly `train@fsc_clip` (and `report`, which reads
+    `runs` for its list of models);
   - changing `train.seed` (what `make seeds` varies) marks every train@ run and not pretrain;
-  - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
+  - `dvc exp run -S runs.fsc_clip.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
   - `dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
 Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
 """
@@ -56,15 +57,19 @@ def dag(tmp_path_factory):
     rec["status_clean"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     rec["plots"] = json.loads(_run(repo, "dvc", "plots", "show", "--json").stdout)
 
-    write_params(repo, {"loss": {"lambda_l": 0.2}})                      # by hand, then back
+    write_params(repo, {"runs": {"fsc_clip": {"lambda_l": 0.2}}})        # by hand, then back
     rec["status_changed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
+    llm = repo / "clipfinetune" / "data" / "negatives" / "degla" / "llm.py"   # a module only `negatives` imports
+    llm.write_text(llm.read_text() + "# edited\n")
+    rec["status_llm_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "git", "checkout", "--", str(llm.relative_to(repo)))
     write_params(repo, {"train": {"seed": 7}})
     rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
 
     t0 = time.perf_counter()
-    exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "loss.lambda_l=0.2")
+    exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "runs.fsc_clip.lambda_l=0.2")
     rec["exp_seconds"] = time.perf_counter() - t0
     rec["exp_ran"] = RAN.findall(exp.stdout)
     rec["lock_exp"] = _lock(repo)
@@ -87,8 +92,8 @@ def test_repro_runs_every_stage_and_writes_every_metric(dag):
     assert sorted(dag["first_ran"]) == sorted(dag["stages"])
     # 12 fine-tuning runs (clip, 5 methods, 5 ablations, custom); 13 evaluated models (those + base)
     assert len([s for s in dag["stages"] if s.startswith("train@")]) == 12
-    assert len([s for s in dag["stages"] if s.startswith("eval@")]) == 13
-    eval_models = [s.split("@", 1)[1] for s in dag["stages"] if s.startswith("eval@")]
+    assert len([s for s in dag["stages"] if s.startswith("eval@")]) == 12 and "eval_base" in dag["stages"]
+    eval_models = ["base"] + [s.split("@", 1)[1] for s in dag["stages"] if s.startswith("eval@")]
     for model in eval_models:
         metrics = json.loads((dag["repo"] / "metrics" / f"{model}.json").read_text())
         assert metrics["meta"]["model"] == model
@@ -121,13 +126,18 @@ def test_every_runs_curves_render_in_plots_show(dag):
         assert values and {"step", "loss"} <= set(values[0]), run
 
 
-def test_changing_lambda_l_marks_exactly_train_fsc_clip(dag):
-    assert list(_changed(dag["status_changed"])) == ["train@fsc_clip"]
-    assert "loss.lambda_l" in json.dumps(dag["status_changed"])
+def test_changing_lambda_l_marks_exactly_train_fsc_clip_and_report(dag):
+    assert set(_changed(dag["status_changed"])) == {"train@fsc_clip", "report"}
+    assert "runs.fsc_clip" in json.dumps(dag["status_changed"])
+
+
+def test_editing_a_module_marks_only_the_stages_that_import_it(dag):
+    """Code deps are import closures (clipfinetune/deps.py): DeGLA's LLM client is `negatives`' alone."""
+    assert list(_changed(dag["status_llm_edit"])) == ["negatives"]
 
 
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
-    # downstream of the runs: their eval@ stages and report (not eval@base); sample, data stages, pretrain untouched
+    # downstream of the runs: their eval@ stages and report (not eval_base); sample, data stages, pretrain untouched
     assert set(_changed(dag["status_seed"])) == {s for s in dag["stages"] if s.startswith("train@")}
 
 
@@ -137,7 +147,7 @@ def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):
     before, after = dag["lock_baseline"], dag["lock_exp"]
     assert before.keys() == after.keys()
     assert {name for name in before if before[name] != after[name]} == wanted
-    assert after["train@fsc_clip"]["params"]["params.yaml"]["loss.lambda_l"] == 0.2
+    assert after["train@fsc_clip"]["params"]["params.yaml"]["runs.fsc_clip"]["lambda_l"] == 0.2
 
 
 def test_metrics_diff_changes_only_fsc_clip_and_summary(dag):
@@ -148,4 +158,4 @@ def test_metrics_diff_changes_only_fsc_clip_and_summary(dag):
     assert all("fsc_clip" in key for key in summary_keys), sorted(summary_keys)
     exp_metrics = {path for path, keys in dag["exp_diff"]["metrics"].items() if keys}
     assert exp_metrics == files
-    assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"loss.lambda_l"}
+    assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"runs.fsc_clip.lambda_l"}

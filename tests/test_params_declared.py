@@ -7,8 +7,10 @@ params.yaml in a temporary DVC repo; the method -> loss-key map comes from the m
 
 Dict-valued declarations allowed (each is ONE setting that one stage family reads whole, never a shared group):
   - `train.<method>`      the run's own override group (its keys are checked against TrainConfig by the stage);
-  - `ablations.<run>`     the ablation run's own loss weights (read whole, flattened to the method's kwargs);
-  - `custom.terms`        the custom run's term -> weight mix (the weights ARE the setting);
+  - `runs.<run>`          the run's own settings (its method and that method's constructor arguments), read whole
+                          by train@<run> alone;
+  - `runs` (stage `report` only): the models it reports (base and every run); a run's change re-runs its eval and
+                          so the report anyway;
   - `sources.<name>`      one source's definition (its reader and paths), read whole by the stages that list it;
   - `sources` (stage `shards` only): whichever sources `shards.sources` names, so training on a new source is a
                           params.yaml edit; a change to a source shards does not list re-runs shards alone, whose
@@ -33,9 +35,9 @@ from clipfinetune.methods import get_method
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
-SHARED_GROUPS = set(PARAMS) | {"train", "loss", "ablations", "custom", "eval", "model"}
-DICT_DECLARATIONS_OK = {"eval.benchmarks", "custom.terms"} | {f"sources.{name}" for name in PARAMS["sources"]}
-WHOLE_GROUP_OK = {("shards", "sources")}
+SHARED_GROUPS = set(PARAMS) | {"train", "eval", "model"}
+DICT_DECLARATIONS_OK = {"eval.benchmarks"} | {f"sources.{name}" for name in PARAMS["sources"]}
+WHOLE_GROUP_OK = {("shards", "sources"), ("report", "runs")}
 
 
 def _lookup(key: str):
@@ -72,8 +74,8 @@ def _train_runs():
 
 def test_dvc_expands_every_stage(declared):
     assert {s for s in declared if s.startswith("train@")} == {f"train@{r}" for r in _train_runs()}
-    assert {s for s in declared if s.startswith("eval@")} == {f"eval@{m}" for m in PARAMS["eval"]["models"]}
-    assert {s for s in declared if "@" not in s} >= {"benchmarks", "report"}
+    assert {s for s in declared if s.startswith("eval@")} == {f"eval@{r}" for r in _train_runs()}
+    assert {s for s in declared if "@" not in s} >= {"benchmarks", "report", "eval_base"}
 
 
 def test_every_declared_key_exists_in_params_yaml(declared):
@@ -92,7 +94,7 @@ def _has(key):
 def test_no_stage_declares_a_whole_shared_group(declared):
     runs = _train_runs()
     allowed = DICT_DECLARATIONS_OK | {f"train.{item['method']}" for item in runs.values()} \
-        | {f"ablations.{run}" for run in PARAMS["ablations"]}
+        | {f"runs.{run}" for run in runs}
     for stage, keys in declared.items():
         whole = {k for k in set(keys) & SHARED_GROUPS if (stage, k) not in WHOLE_GROUP_OK}
         assert not whole, (stage, whole)
@@ -100,40 +102,18 @@ def test_no_stage_declares_a_whole_shared_group(declared):
         assert broad <= allowed, (stage, broad - allowed)
 
 
-def test_a_train_run_declares_only_its_own_override_and_ablation_groups(declared):
+def test_a_train_run_declares_only_its_own_override_and_run_groups(declared):
     for run, item in _train_runs().items():
         keys = declared[f"train@{run}"]
         assert [k for k in keys if k.startswith("train.") and isinstance(_lookup(k), dict)] == [f"train.{item['method']}"]
-        assert [k for k in keys if k.startswith("ablations.")] == ([f"ablations.{run}"] if run in PARAMS["ablations"] else [])
+        assert [k for k in keys if k.startswith("runs")] == [f"runs.{run}"]
 
 
-def _kwargs_in(group: str, method: str) -> set[str]:
-    names = set(inspect.signature(get_method(method).__init__).parameters) - {"self"}
-    return {f"{group}.{n}" for n in names if n in (PARAMS.get(group) or {})}
-
-
-def test_loss_keys_are_declared_exactly_by_the_runs_whose_method_reads_them(declared):
-    for stage, keys in declared.items():
-        loss = {k for k in keys if k.startswith("loss.")}
-        if not stage.startswith("train@"):
-            assert not loss, stage
-            continue
-        run = stage.split("@", 1)[1]
-        method = _train_runs()[run]["method"]
-        expected = set() if run in PARAMS["ablations"] else _kwargs_in("loss", method)
-        assert loss == expected, (stage, loss ^ expected)
-        # method kwargs that live in other groups (model.unlocked_vision_layers, sentences.max_sentences)
-        for group in ("model", "sentences", "custom"):
-            assert _kwargs_in(group, method) <= set(keys), (stage, group)
-
-
-def test_ablation_weights_are_kwargs_of_their_method():
-    for run, weights in PARAMS["ablations"].items():
-        method = _train_runs()[run]["method"]
-        names = set(inspect.signature(get_method(method).__init__).parameters)
-        assert set(weights) <= names, (run, set(weights) - names)
-        # an ablation names every loss weight of its method, so the run never falls back to loss.* silently
-        assert {f"loss.{w}" for w in weights} == _kwargs_in("loss", method), run
+def test_a_runs_settings_are_its_methods_constructor_arguments():
+    """Every key of `runs.<run>` but `method` is a constructor argument of its method, so no setting is ignored."""
+    for run, item in _train_runs().items():
+        names = set(inspect.signature(get_method(item["method"]).__init__).parameters) - {"self"}
+        assert set(item) - {"method"} <= names, (run, set(item) - {"method"} - names)
 
 
 def _stage_train():
@@ -171,4 +151,4 @@ def test_non_train_stages_declare_no_loss_or_train_keys(declared):
     for stage, keys in declared.items():
         if stage.startswith("train@"):
             continue
-        assert not [k for k in keys if k.split(".")[0] in ("loss", "ablations", "custom", "train")], stage
+        assert not [k for k in keys if k.split(".")[0] in ("train", "runs") and (stage, k) not in WHOLE_GROUP_OK], stage

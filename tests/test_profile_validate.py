@@ -29,7 +29,7 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     shutil.copy(ROOT / "params.yaml", params)
     changed = profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params)     # the base, then a recipe
     text = params.read_text()
-    assert "# the embedded sample world" in text and "# FSC-CLIP (eq. 11)" in text
+    assert "# the embedded sample world" in text and "# DeGLA's LLM hard negatives" in text
     merged = yaml.safe_load(text)
     assert merged["model"]["name"] == "ViT-B-16" and merged["model"]["pretrained"] == "openai"
     mulclip = merged["train"]["mulclip"]                                   # MulCLIP §4.1 "Training setting"
@@ -40,10 +40,11 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     assert merged["eval"]["benchmarks"]["box_cls"]["real"] == {}            # a recipe turns a set off
     assert merged["eval"]["benchmarks"]["retrieval"]["sample"]             # the sample sets are kept
     assert merged["sample"] == yaml.safe_load((ROOT / "params.yaml").read_text())["sample"]
-    assert "model.name" in changed and "loss.lambda_l" not in changed       # same value: not a change
+    assert "model.name" in changed and "runs" in changed and "pretrain.lr" not in changed   # same value: no change
+    assert set(merged["runs"]) == {"mulclip", "mulclip_global_only"}       # the recipe's runs replace the list
     assert profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params) == []      # idempotent
-    apply_overrides(str(params), ["loss.lambda_l=0.2"])                      # what `dvc exp run -S` does
-    assert yaml.safe_load(params.read_text())["loss"]["lambda_l"] == 0.2
+    apply_overrides(str(params), ["runs.mulclip.lambda_word=0.2"])           # what `dvc exp run -S` does
+    assert yaml.safe_load(params.read_text())["runs"]["mulclip"]["lambda_word"] == 0.2
 
 
 def test_set_args_lists_every_leaf_as_an_override():

@@ -71,8 +71,16 @@ def project(tmp_path_factory):
     _run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a third source")
     _run(repo, "python", "stages/shards.py", "--stage", "shards")
     for run in ("clip", "fsc_clip"):
+        if run == "fsc_clip":                      # clip's checkpoints go after its export, fsc_clip's are kept
+            write_params(repo, {"train": {"keep_checkpoint": True}})
         _run(repo, "python", "stages/train.py", "--run", run, "--method", run, "--stage", f"train@{run}")
     return repo, rows
+
+
+def test_a_runs_checkpoints_are_removed_after_its_export_unless_kept(project):
+    repo, _ = project
+    assert (repo / "models" / "clip").is_dir() and not (repo / "checkpoints" / "clip").exists()
+    assert (repo / "models" / "fsc_clip").is_dir() and (repo / "checkpoints" / "fsc_clip" / "last.pt").is_file()
 
 
 def _samples(repo) -> dict[str, dict]:

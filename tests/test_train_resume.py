@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from test_train_support import TinyClipModel, ToySource, config
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.train import CheckpointError, NonFiniteLossError, Trainer, fingerprint, load_checkpoint
 from clipfinetune.train.checkpoint import FORMAT, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 torch.set_num_threads(1)
 
@@ -78,16 +81,41 @@ def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):
     assert load_checkpoint(tmp_path / "shared" / "ckpt" / "last.pt")["fingerprint"] == "params-after"
 
 
-def test_fingerprint_follows_params_and_input_content(tmp_path):
-    (tmp_path / "inputs").mkdir()
-    (tmp_path / "inputs" / "a.json").write_text("[1]")
-    fp = fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
-    assert fp == fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
-    assert fp != fingerprint("train@clip", {"train": {"lr": 2e-4}}, ["inputs"], root=tmp_path)
-    assert fp != fingerprint("train@goal", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
-    assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], world_size=2, root=tmp_path)
-    (tmp_path / "inputs" / "a.json").write_text("[2]")
-    assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, ["inputs"], root=tmp_path)
+def test_fingerprint_follows_params_and_input_content():
+    inputs = {"data/shards": "3f2a.dir", "clipfinetune/losses/clip.py": "9c1e"}
+    fp = fingerprint("train@clip", {"train": {"lr": 1e-4}}, inputs)
+    assert fp == fingerprint("train@clip", {"train": {"lr": 1e-4}}, dict(reversed(inputs.items())))
+    assert fp != fingerprint("train@clip", {"train": {"lr": 2e-4}}, inputs)
+    assert fp != fingerprint("train@goal", {"train": {"lr": 1e-4}}, inputs)
+    assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, inputs, world_size=2)
+    assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, {**inputs, "data/shards": "77b0.dir"})
+
+
+def test_the_stages_inputs_are_dvcs_content_hashes_not_mtimes(tmp_path, monkeypatch):
+    """stages/_common.py stage_inputs: each dep's md5 as DVC records it in dvc.lock; touching a file (a checkout
+    rewriting it unchanged) keeps it, an edit changes it."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "a.txt").write_text("one")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: cat a.txt\n    deps: [a.txt, absent.txt]\n")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    sys.path.insert(0, str(ROOT / "stages"))
+    import _common
+
+    monkeypatch.setattr(_common, "ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)                                   # as a stage runs: in the project root
+    inputs = lambda: _common.stage_inputs("s")
+
+    first = inputs()
+    assert first == {"a.txt": hashlib.md5(b"one").hexdigest(), "absent.txt": "missing"}
+    os.utime(tmp_path / "a.txt", ns=(1, 1))
+    assert inputs() == first
+    (tmp_path / "a.txt").write_text("two")
+    assert inputs()["a.txt"] == hashlib.md5(b"two").hexdigest()
 
 
 class NaNAtStep3(ClipMethod):

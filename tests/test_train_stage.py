@@ -36,37 +36,46 @@ class WithExtra(Method):
 
 
 def test_plain_clip_run_merges_nothing_and_reads_every_declared_key():
-    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "clip": {}}})
+    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "keep_checkpoint": False, "clip": {}},
+                                        "runs": {"clip": {"method": "clip"}}})
     settings, config = stage.run_settings(params, "clip", "clip", Method)
     params["model.precision"]
     assert settings == SHARED and config == {}
     params.check_all_read()
 
 
-def test_ablation_keys_flatten_to_their_last_name_and_overrides_replace_shared_ones():
+def test_a_runs_group_is_its_methods_kwargs_and_overrides_replace_shared_ones():
     params = StageParams("train@fsc_lhn_only", {
         "model": {"precision": "fp32"},
-        "train": {**SHARED, "fsc_clip": {"lr": 5e-6}},
-        "ablations": {"fsc_lhn_only": {"lambda_g": 0.0, "lambda_l": 0.5}}})
+        "train": {**SHARED, "keep_checkpoint": False, "fsc_clip": {"lr": 5e-6}},
+        "runs": {"fsc_lhn_only": {"method": "fsc_clip", "lambda_g": 0.0, "lambda_l": 0.5}}})
     settings, config = stage.run_settings(params, "fsc_lhn_only", "fsc_clip", Method)
     assert settings["lr"] == 5e-6 and settings["epochs"] == 2
     assert config == {"lambda_g": 0.0, "lambda_l": 0.5}
 
 
-def test_method_extra_training_keys_reach_the_method_and_other_groups_flatten():
+def test_method_extra_training_keys_reach_the_method_beside_the_runs_settings():
     params = StageParams("train@x", {
-        "model": {"precision": "fp32", "unlocked_vision_layers": 2},
-        "train": {**SHARED, "withextra": {"new_module_lr": 2e-3}},
-        "loss": {"lambda_short": 0.5}, "sentences": {"max_sentences": 15},
-        "custom": {"terms": {"fsc_clip.local_hn": 0.5}}})
+        "model": {"precision": "fp32"},
+        "train": {**SHARED, "keep_checkpoint": False, "withextra": {"new_module_lr": 2e-3}},
+        "runs": {"x": {"method": "withextra", "unlocked_vision_layers": 2, "max_sentences": 15,
+                       "terms": {"fsc_clip.local_hn": 0.5}}}})
     settings, config = stage.run_settings(params, "x", "withextra", WithExtra)
     assert "new_module_lr" not in settings
-    assert config == {"new_module_lr": 2e-3, "unlocked_vision_layers": 2, "lambda_short": 0.5,
-                      "max_sentences": 15, "terms": {"fsc_clip.local_hn": 0.5}}
+    assert config == {"new_module_lr": 2e-3, "unlocked_vision_layers": 2, "max_sentences": 15,
+                      "terms": {"fsc_clip.local_hn": 0.5}}
+
+
+def test_a_run_whose_group_names_another_method_is_an_error():
+    params = StageParams("train@x", {"model": {"precision": "fp32"}, "train": {**SHARED, "keep_checkpoint": False, "clip": {}},
+                                     "runs": {"x": {"method": "goal"}}})
+    with pytest.raises(ValueError, match="runs.x.method is not 'clip'"):
+        stage.run_settings(params, "x", "clip", Method)
 
 
 def test_an_unknown_override_key_is_an_error():
-    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "clip": {"lr_": 1.0}}})
+    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "keep_checkpoint": False, "clip": {"lr_": 1.0}},
+                                        "runs": {"clip": {"method": "clip"}}})
     with pytest.raises(ValueError, match="unknown override keys.*lr_"):
         stage.run_settings(params, "clip", "clip", Method)
 

@@ -1,9 +1,8 @@
 """The Method protocol of DEVELOPERS.md as a base class with the optional parts filled in.
 
 The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
-loop. Construction: `cls(**config)`, where `config` holds the run's declared loss/method keys flattened to their
-last key (`loss.lambda_l` -> `lambda_l`, `ablations.<run>.lambda_l` -> `lambda_l`, `custom.terms` -> `terms`,
-`model.unlocked_vision_layers` -> `unlocked_vision_layers`, `sentences.max_sentences` -> `max_sentences`) plus
+loop. Construction: `cls(**config)`, where `config` is the run's own params group `runs.<run>` without its `method`
+(loss weights, `terms`, `unlocked_vision_layers`, `max_sentences`, ...) plus
 the keys of `train.<method>` that the method lists in `train_keys` (e.g. MulCLIP's `new_module_lr`).
 A subclass either names its keyword arguments (a typo in params.yaml then fails loudly) or reads `self.config`.
 

@@ -3,7 +3,14 @@
 See DEVELOPERS.md "Model layer" for the contract; each submodule's docstring says what it decides.
 """
 from .clip_model import ClipModel
-from .loading import export_model, load_model, load_state_dict_into, read_state_dict, register_bundled_configs
+from .loading import (
+    export_model,
+    load_model,
+    load_state_dict_into,
+    quick_gelu_setting,
+    read_state_dict,
+    register_bundled_configs,
+)
 from .long_text import extend_context, stretch_positional_embedding
 from .lora import apply_lora, has_lora, merge_lora
 from .teachers import ema_teacher, ema_update, freeze_tower, freeze_vision_blocks, frozen_teacher
@@ -26,6 +33,7 @@ __all__ = [
     "load_model",
     "load_state_dict_into",
     "merge_lora",
+    "quick_gelu_setting",
     "read_state_dict",
     "register_bundled_configs",
     "stretch_positional_embedding",

@@ -5,10 +5,12 @@ built method module, teachers included), optimiser, scheduler, step, epoch, posi
 every rank's RNG states (python, numpy, torch, cuda) and the method's extra state.
 
 The FINGERPRINT (`fingerprint()`) ties a checkpoint to one run: sha256 over the stage name, the declared params,
-the world size and the stage's inputs. Inputs are hashed by content when small (code, JSON: <= 1 MiB) and by
-size + mtime otherwise (shards, weights), so a big input is never re-read; a false mismatch (e.g. a `dvc checkout`
-that rewrote an unchanged file) only costs a restart, never a wrong resume. Code deps are part of it on purpose: a
-changed loss must retrain, not "resume" a finished run. On a mismatch the trainer starts from scratch.
+the world size and the content hash of each of the stage's deps as DVC computes it (md5, a folder's `.dir` md5;
+stages/_common.py `stage_inputs`, through DVC's state cache: a big input is hashed once, and a `dvc checkout` that
+rewrites an unchanged file changes nothing). The deps are the run's data and the code it imports (dvc.yaml's code
+deps are import closures, clipfinetune/deps.py): a changed loss retrains, never "resumes" a finished run. Every rank
+computes it and `check_ranks_agree` stops the run when they differ (nodes with other code or data). On a mismatch
+with the checkpoint the trainer starts from scratch.
 """
 from __future__ import annotations
 
@@ -26,39 +28,32 @@ from clipfinetune.io import atomic_path
 
 FORMAT = "clipfinetune-train-checkpoint/1"
 LAST = "last.pt"
-_HASH_CONTENT_BELOW = 1 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and says what to do."""
 
 
-def fingerprint(stage: str, params: dict, inputs: list[str | os.PathLike] = (), world_size: int = 1,
-                root: str | os.PathLike = ".") -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps({"stage": stage, "params": params, "world_size": world_size},
-                        sort_keys=True, default=str).encode())
-    root = Path(root)
-    for path in sorted(str(p) for p in inputs):
-        h.update(f"\0input {path}\0".encode())
-        h.update(_tree_digest(root / path).encode())
-    return h.hexdigest()
+def fingerprint(stage: str, params: dict, inputs: dict[str, str], world_size: int = 1) -> str:
+    """sha256 of the stage, its declared params, the world size and `inputs` (dep path -> its content hash)."""
+    return hashlib.sha256(json.dumps({"stage": stage, "params": params, "world_size": world_size,
+                                      "inputs": dict(inputs)}, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _tree_digest(path: Path) -> str:
-    if not path.exists():
-        return "missing"
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        rel = f.relative_to(path).as_posix() if f != path else f.name
-        if st.st_size <= _HASH_CONTENT_BELOW:
-            h.update(f"{rel}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
-        else:
-            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
+def check_ranks_agree(fp: str, dist) -> None:
+    """Every rank's fingerprint must be the same (all_gather); a rank whose code, data or params differ would
+    resume, or start, another run than its peers."""
+    if not dist.distributed:
+        return
+    import torch.distributed as td
+
+    every: list = [None] * dist.world_size
+    td.all_gather_object(every, fp)
+    differ = {rank: f for rank, f in enumerate(every) if f != every[0]}
+    if differ:
+        raise CheckpointError(f"ranks disagree on the run's fingerprint (params, deps' content, world size): rank 0 "
+                              f"{every[0][:12]}, " + ", ".join(f"rank {r} {f[:12]}" for r, f in differ.items())
+                              + ": give every node the same code, data and params")
 
 
 # ---------------------------------------------------------------------------------------------- RNG states
@@ -98,6 +93,14 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
     """Write atomically: a kill mid-write leaves the previous checkpoint untouched."""
     with atomic_path(path) as tmp:
         torch.save({"format": FORMAT, **checkpoint}, tmp)
+
+
+def remove_checkpoints(checkpoint_dir: str | os.PathLike) -> None:
+    """Delete a run's resume checkpoints once its model is exported: DVC caches the exported model, and a
+    checkpoint (weights + optimiser state, ~3x the model) is then never read again."""
+    import shutil
+
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:

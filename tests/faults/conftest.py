@@ -65,6 +65,8 @@ def stage_cmd(stage: str) -> list[str]:
         return [PY, "stages/train.py", "--run", run, "--method", run, "--stage", stage]
     if stage.startswith("eval@"):
         return [PY, "stages/eval.py", "--model", stage.split("@", 1)[1], "--stage", stage]
+    if stage == "eval_base":
+        return [PY, "stages/eval.py", "--model", "base", "--stage", stage]
     return [PY, f"stages/{stage}.py", "--stage", stage]
 
 

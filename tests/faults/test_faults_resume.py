@@ -1,6 +1,6 @@
 """Resume of the item stages (issue 32): segments and lism SIGKILLed after their first part file was written resume
 from their parts (data/cache/<stage>/<fingerprint>/) and end byte-identical to an uninterrupted run; a finished run
-leaves no parts behind. eval@base's case (~40 s) and the stale-parts case run in tests/scale/test_item_stages.py
+leaves no parts behind. eval_base's case (~40 s) and the stale-parts case run in tests/scale/test_item_stages.py
 with the same helpers."""
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.faults
 INPUTS = {
     "segments": ["data/sample"],
     "lism": ["data/sample", "models/base", "data/prepared/sentences.parquet", "data/prepared/segments.parquet"],
-    "eval@base": ["data/sample", "models/base", "data/prepared/global_local"],
+    "eval_base": ["data/sample", "models/base", "data/prepared/global_local"],
 }
-FAULT_SUITE = ["segments", "lism"]        # cheap here (~10-16 s each); eval@base in tests/scale/
+FAULT_SUITE = ["segments", "lism"]        # cheap here (~10-16 s each); eval_base in tests/scale/
 EVAL_OUTPUTS = ["metrics/base.json", "metrics/items/base.parquet"]
 RESUMED = re.compile(r"resuming, (\d+) of this rank's (\d+) units already done")
 
@@ -32,7 +32,7 @@ def part_files(proj: Project, stage: str) -> list[Path]:
 
 
 def outputs(proj: Project, stage: str) -> dict[str, bytes]:
-    if stage.startswith("eval@"):
+    if stage.startswith("eval"):
         return {rel: (proj / rel).read_bytes() for rel in EVAL_OUTPUTS if (proj / rel).is_file()}
     return proj.snapshot(stage)
 
@@ -71,7 +71,7 @@ def check_kill_and_resume(tiny_project: Project, tmp_path: Path, stage: str, rer
     """Kill `stage` after its first part, re-run it (`rerun(project)` -> its log text; default a subprocess) and
     check that it resumed and wrote the uninterrupted run's bytes, leaving no parts."""
     proj = tiny_project.clone(tmp_path / "proj", INPUTS[stage])
-    if stage.startswith("eval@"):        # the tiny project has no eval: its uninterrupted run is the reference
+    if stage.startswith("eval"):        # the tiny project has no eval: its uninterrupted run is the reference
         run_stage(proj.root, stage)
         ref = outputs(proj, stage)
         for rel in EVAL_OUTPUTS:
@@ -89,4 +89,4 @@ def check_kill_and_resume(tiny_project: Project, tmp_path: Path, stage: str, rer
     assert not part_files(proj, stage)
 
 
-assert set(INPUTS) - {"eval@base"} <= set(OUTPUTS)
+assert set(INPUTS) - {"eval_base"} <= set(OUTPUTS)

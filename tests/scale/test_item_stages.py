@@ -1,12 +1,12 @@
 """Item stages (segments, lism, eval) under torchrun (issue 32): as 2 gloo ranks on the fault suite's tiny project
-their outputs are byte-identical to one process's; eval@base's kill-and-resume case and the stale-parts case of
+their outputs are byte-identical to one process's; eval_base's kill-and-resume case and the stale-parts case of
 tests/faults/test_faults_resume.py (too slow for `make test`). Minutes: tests/scale/ only."""
 from __future__ import annotations
 
 import subprocess
 
 import pytest
-from faults.conftest import ENV, PY, Project, run_stage, tiny_project  # noqa: F401  (the session fixture)
+from faults.conftest import ENV, PY, Project, run_stage, stage_cmd, tiny_project  # noqa: F401  (the session fixture)
 from faults.test_faults_resume import (
     EVAL_OUTPUTS,
     INPUTS,
@@ -18,9 +18,8 @@ from faults.test_faults_resume import (
 
 
 def run_ranks(proj: Project, stage: str, nproc: int = 2) -> None:
-    name, _, model = stage.partition("@")
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), f"stages/{name}.py",
-           *(["--model", model] if model else []), "--stage", stage]
+    script_and_args = stage_cmd(stage)[1:]           # stages/<name>.py [--model M] --stage <stage>
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *script_and_args]
     proc = subprocess.run(cmd, cwd=proj.root, env=ENV, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"{stage} as {nproc} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
@@ -28,7 +27,7 @@ def run_ranks(proj: Project, stage: str, nproc: int = 2) -> None:
 @pytest.mark.parametrize("stage", list(INPUTS))
 def test_two_gloo_ranks_write_what_one_process_writes(tiny_project, tmp_path, stage):  # noqa: F811
     proj = tiny_project.clone(tmp_path / "proj", INPUTS[stage])
-    if stage.startswith("eval@"):
+    if stage.startswith("eval"):
         run_stage(proj.root, stage)
         one = outputs(proj, stage)
         for rel in EVAL_OUTPUTS:
@@ -41,7 +40,7 @@ def test_two_gloo_ranks_write_what_one_process_writes(tiny_project, tmp_path, st
 
 
 def test_killed_eval_resumes_from_its_parts_byte_identical(tiny_project, tmp_path):  # noqa: F811
-    check_kill_and_resume(tiny_project, tmp_path, "eval@base")
+    check_kill_and_resume(tiny_project, tmp_path, "eval_base")
 
 
 def test_parts_of_another_fingerprint_are_never_used(tiny_project, tmp_path):  # noqa: F811

@@ -14,10 +14,20 @@ import contextlib
 import gc
 import json
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 
 from clipfinetune.io import InputError, decode_utf8
+
+# COCO's image file names: train2017/000000000042.jpg, val2014/COCO_val2014_000000000042.jpg
+COCO_NAME = re.compile(r"^(?:COCO_[a-z]+\d{4}_)?(\d{12})\.(?:jpg|jpeg|png)$", re.IGNORECASE)
+
+
+def coco_id_of(path: str | os.PathLike) -> int | None:
+    """The COCO image id in a COCO-named file, else None."""
+    m = COCO_NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 @contextlib.contextmanager

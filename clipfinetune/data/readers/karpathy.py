@@ -23,7 +23,7 @@ PATHS = ("file", "images")
 def excluded_ids(files) -> set[str]:
     """The image ids of COCO files (`images[].id`) and of VALSE pieces (COCO-named `image_file`s), as strings."""
     from clipfinetune.data.readers import coco
-    from clipfinetune.leakage import coco_id_of
+    from clipfinetune.data.readers.coco import coco_id_of
 
     out = set()
     for f in [files] if isinstance(files, str) else files or []:
