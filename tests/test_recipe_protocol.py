@@ -118,6 +118,7 @@ def test_a_recipe_trains_as_its_paper(recipe):
     p, want = recipe_params(recipe), PROTOCOL[recipe]
     train = dict(p["train"])
     override = train.pop(recipe)
+    train.pop("keep_checkpoint", None)                  # the stage's own key, not the optimiser's (stages/train.py)
     shared = {k: v for k, v in train.items() if not isinstance(v, dict)}
     settings, _ = merge_train_settings(shared, override, frozenset({"new_module_lr"}))
     cfg = TrainConfig(**settings, precision=p["model"]["precision"])

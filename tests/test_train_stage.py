@@ -293,7 +293,7 @@ def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_
     stale.write_text("step\tloss\n0\t4.2\n")
     params = StageParams("pretrain", {
         "sources": {"coco": {"reader": "coco", "captions": "absent.json", "images": "absent"}},
-        "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "precision": "bf16"},
+        "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "quick_gelu": "auto", "precision": "bf16"},
         "pretrain": {"epochs": 1, "batch_size": 2, "lr": 1e-3, "warmup": 1, "wd": 0.1, "grad_clip": 1.0,
                      "checkpoint_every": 0, "seed": 0, "sources": ["coco"]}})
     monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
