@@ -1,10 +1,11 @@
 """The training loader: shards -> method batches, deterministic by (seed, epoch) and resumable exactly.
 
-Pipeline per loader worker (a WebDataset pipeline; rank/world and worker ids from
-`webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed):
+Pipeline per loader worker (a WebDataset pipeline; rank/world given to ShardLoader, else from
+`webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed; worker ids from torch):
 
     for each pass over the data (train: pass after pass until the epoch's batches are made):
-        shard list shuffled by (seed, epoch, pass) -> wds.split_by_node -> wds.split_by_worker
+        shard list (of the sources the method wants, index.json) shuffled by (seed, epoch, pass)
+        -> this reader's share (`reader_shards`: whole shards, or every k-th sample of a shared one)
         -> wds.tarfile_to_samples -> json -> method.wants(record) filter
         -> shuffle buffer seeded by (seed, epoch, rank, worker, pass)
     -> skip (resume) -> PIL RGB decode (corrupt: counted skip) -> method.make_example(record, image, rng, ctx)
@@ -102,11 +103,42 @@ class ExampleContext:
         return online_negatives(caption, rng)
 
 
-def shard_paths(shards_dir: str | Path, split: str) -> list[str]:
+def wanted_sources(shards_dir: str | Path, split: str, method) -> list[str] | None:
+    """The sources of `split` whose records `method` wants, from the shards stage's index.json: a source is read
+    iff `method.wants` accepts the example record of one of its field signatures (`wants` looks at which fields
+    a record carries, never at its source). None when the shards have no index (all shards are read)."""
+    path = Path(shards_dir) / "index.json"
+    if method is None or not path.is_file():
+        return None
+    index = json.loads(path.read_text()).get(split, {})
+    return sorted(source for source, entry in index.items()
+                  if any(method.wants(sig["example"]) for sig in entry["signatures"]))
+
+
+def shard_paths(shards_dir: str | Path, split: str, method=None) -> list[str]:
+    """The `split` shards, only those of the sources `method` wants when the shards have an index.json."""
     paths = sorted(str(p) for p in Path(shards_dir).glob(f"{split}-*.tar"))
     if not paths:
         raise InputError(shards_dir, split, f"no {split}-*.tar shards (run `dvc repro shards`)")
+    sources = wanted_sources(shards_dir, split, method)
+    if sources is not None:
+        index = json.loads((Path(shards_dir) / "index.json").read_text())[split]
+        names = {name for source in sources for name in index[source]["shards"]}
+        paths = [p for p in paths if Path(p).name in names]
+        if not paths:
+            raise InputError(shards_dir, split, f"method {method.name!r} wants the records of no source")
     return paths
+
+
+def reader_shards(order: list[str], reader: int, readers: int) -> list[tuple[str, int, int]]:
+    """(shard, part, parts) for reader `reader` of `readers` (rank x worker): with at least as many shards as
+    readers, every `readers`-th shard whole (part 0 of 1; webdataset's split_by_node then split_by_worker when
+    reader = rank + world * worker); with fewer, the readers share shard `reader % len(order)`, each keeping the
+    samples whose position in it is `part` modulo `parts` (sample-level split), so any ranks x workers work."""
+    if len(order) >= readers:
+        return [(u, 0, 1) for u in order[reader::readers]]
+    shard = reader % len(order)
+    return [(order[shard], reader // len(order), len(range(shard, readers, len(order))))]
 
 
 def iter_shard_records(path: str) -> Iterator[tuple[str, dict]]:
@@ -172,11 +204,12 @@ class _EpochStream(IterableDataset):
         self.cfg, self.batches_per_worker = cfg, batches_per_worker
         self.shared_epoch, self.shared_skip = mp.Value("q", 0), mp.Value("q", 0)   # set by ShardLoader.batches
 
-    def _pass_urls(self, p: int):
+    def _pass_shards(self, p: int, reader: int, readers: int) -> list[tuple[str, int, int]]:
         order = list(self.cfg["paths"])
         if self.cfg["train"]:
             _seeded(self.cfg["seed"], self.epoch, "shards", p).shuffle(order)
-        return ({"url": u} for u in order)
+            return reader_shards(order, reader, readers)
+        return [(u, 0, 1) for u in order[reader::readers]]     # validation: each shard whole, by one reader
 
     def __iter__(self):
         import webdataset as wds
@@ -184,7 +217,10 @@ class _EpochStream(IterableDataset):
         cfg = self.cfg
         method, ctx, bs, train = cfg["method"], cfg["ctx"], cfg["batch_size"], cfg["train"]
         self.epoch, self.skip_batches = int(self.shared_epoch.value), int(self.shared_skip.value)
-        rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        rank, world = cfg["rank"], cfg["world_size"]
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        reader, readers = rank + world * worker, world * workers
         in_worker = torch.utils.data.get_worker_info() is not None     # never touch the main process's RNG
         stats: Counter = Counter()
         misses, seen = 0, set()
@@ -195,6 +231,16 @@ class _EpochStream(IterableDataset):
             if key in seen:
                 stats["samples_repeated"] += 1
             seen.add(key)
+
+        samples_in_share = 0
+
+        def read(shards):
+            nonlocal samples_in_share
+            for url, part, parts in shards:
+                for i, sample in enumerate(wds.tarfile_to_samples()(iter([{"url": url}]))):
+                    if i % parts == part:
+                        samples_in_share += 1
+                        yield sample
 
         def wanted(raw, p):
             nonlocal misses
@@ -226,14 +272,16 @@ class _EpochStream(IterableDataset):
             # sees every sample of this worker's shards before any repeat
             p = 0
             while True:
-                urls = wds.split_by_worker(wds.split_by_node(self._pass_urls(p)))
-                stream = wanted(wds.tarfile_to_samples()(urls), p)
+                stream = wanted(read(self._pass_shards(p, reader, readers)), p)
                 if train:
                     stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank,
                                                                                     worker, p, "buf"))
                 yield from stream
                 if not train:
                     return
+                if samples_in_share == 0:
+                    raise RuntimeError(f"rank {rank} worker {worker}: its share of the shards holds no sample "
+                                       f"({len(cfg['paths'])} shards for {readers} readers)")
                 p += 1
 
         to_skip, n, batch, produced = self.skip_batches * bs, 0, [], self.skip_batches
@@ -272,7 +320,7 @@ class ShardLoader:
 
     def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
                  seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True,
-                 epoch_unit: str = "image"):
+                 epoch_unit: str = "image", rank: int | None = None, world_size: int | None = None):
         import webdataset as wds
 
         if batch_size < 1:
@@ -281,10 +329,14 @@ class ShardLoader:
             raise ValueError(f"epoch_unit must be 'image' or 'method', got {epoch_unit!r}")
         if epoch_unit == "method" and not train:
             raise ValueError("epoch_unit 'method' is for training loaders (validation is one pass over the images)")
-        self.paths = shard_paths(shards_dir, split)
+        self.paths = shard_paths(shards_dir, split, method)
         self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
         self.num_workers, self.train = num_workers, train
-        self.rank, self.world_size, _, _ = wds.utils.pytorch_worker_info()
+        env_rank, env_world, _, _ = wds.utils.pytorch_worker_info()   # env RANK/WORLD_SIZE or torch.distributed
+        self.rank = env_rank if rank is None else rank
+        self.world_size = env_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         totals, wanted, _ = count_wanted(self.paths, method)
         self.num_samples, self.num_wanted = sum(totals), sum(wanted)
         self.shard_wanted = dict(zip(self.paths, wanted))
@@ -300,9 +352,6 @@ class ShardLoader:
             log.info("epoch unit %s: %d units in the %d wanted samples (up to %d in one)", self.epoch_unit,
                      self.num_units, self.num_wanted, unit_passes)
         w = max(1, num_workers)
-        if train and len(self.paths) < w * self.world_size:
-            raise InputError(shards_dir, split, f"{len(self.paths)} shards for {w} workers x {self.world_size} ranks: "
-                             "every worker needs a shard (fewer workers, or smaller shards.maxcount)")
         if train:
             nb = math.ceil(self.num_units / (batch_size * self.world_size))
             self.batches_per_epoch = math.ceil(nb / w) * w
@@ -312,12 +361,14 @@ class ShardLoader:
         self._loader = None
         cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
                      "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes}
+                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes,
+                     "rank": self.rank, "world_size": self.world_size}
         self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
 
     def _eval_batches(self, w: int) -> int:
-        mine = self.paths[self.rank::self.world_size]
-        return sum(math.ceil(sum(self.shard_wanted[p] for p in mine[i::w]) / self.batch_size) for i in range(w))
+        readers = self.world_size * w
+        return sum(math.ceil(sum(self.shard_wanted[p] for p in self.paths[self.rank + self.world_size * i::readers])
+                             / self.batch_size) for i in range(w))
 
     def __len__(self) -> int:
         return self.batches_per_epoch
