@@ -61,5 +61,6 @@ def test_two_ranks_with_more_readers_than_shards_run_equal_epochs_over_every_sam
         lengths.add((len(loader), len(batches)))
         seen |= {k for s, _, _ in batches for k in s}
     w = max(1, workers)
-    assert lengths == {(-(-(-(-len(docci) // 4)) // w) * w,) * 2}
+    steps = -(-len(docci) // 4)                     # batches of 2 per rank, 2 ranks
+    assert lengths == {(-(-steps // w) * w,) * 2}
     assert seen == docci
