@@ -64,3 +64,23 @@ def test_two_ranks_with_more_readers_than_shards_run_equal_epochs_over_every_sam
     steps = -(-len(docci) // 4)                     # batches of 2 per rank, 2 ranks
     assert lengths == {(-(-steps // w) * w,) * 2}
     assert seen == docci
+
+
+def test_a_method_epoch_reads_each_shard_once_and_visits_every_unit_once(shards, monkeypatch):  # noqa: F811
+    from test_data_loader import CaptionUnitStub, unit_pairs
+
+    import clipfinetune.data.loader as loader_module
+
+    coco = {k: r for k, r in records(shards, "train").items() if r["source"] == "coco"}
+    every = {(k, i) for k, r in coco.items() for i in range(len(r["captions"]))}
+    batch_size = max(b for b in range(1, 9) if len(every) % b == 0)      # no fill batch: exactly one epoch
+    opened = []
+    real = loader_module._shard_samples
+    monkeypatch.setattr(loader_module, "_shard_samples", lambda url: opened.append(url) or real(url))
+    loader = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=batch_size, seed=3, epoch_unit="method")
+    assert max(len(r["captions"]) for r in coco.values()) > 1 and len(loader.paths) > 1
+    for epoch in (0, 1):
+        opened.clear()
+        pairs = unit_pairs(loader.batches(epoch))
+        assert sorted(pairs) == sorted(every)                            # every (image, caption) exactly once
+        assert sorted(opened) == sorted(loader.paths)                    # one read of each (coco) shard

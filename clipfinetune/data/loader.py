@@ -37,13 +37,15 @@ Decisions:
 - Validation (`train=False`): one pass in shard order, no shuffle, partial last batches, no repeats.
 - **Epoch unit** (`epoch_unit`): "image" (default) draws one example per wanted record per epoch (the method's
   `make_example` picks a caption/row with its rng). "method" iterates the method's own `epoch_unit` (caption,
-  word-region pair; `Method.units`/`unit_record`): the epoch's length is the number of units, and a cycle of
-  P = max units-per-record passes yields, in pass q, unit `order[q]` of every record that has more than q units,
-  `order` a permutation seeded by (seed, epoch, key, cycle). So every unit comes once per epoch (one worker and
-  rank; with several, up to the shard imbalance images have too), in a seeded order, and one pass never holds the
-  same image twice (a batch of one pass has no sibling captions as false negatives, as a global shuffle of ~400K
-  pairs rarely has). Cost: P reads of the shards per epoch (records past their units are skipped before
-  decoding). Determinism and resume are those of image epochs: the unit position is the stream position.
+  word-region pair; `Method.units`/`unit_record`): the epoch's length is the number of units, and ONE read of
+  the shards yields every unit of every wanted record (`_unit_shuffle`: a shuffle buffer of records, each
+  giving its units in an order seeded by (seed, epoch, key, pass), one at a time at random draws; a draw avoids
+  records already in the current batch while the buffer holds others, so a batch rarely has sibling captions as
+  false negatives). So every unit comes once per epoch (one worker and rank; with several, up to the shard
+  imbalance images have too), memory is one shuffle buffer, and determinism and resume are those of image
+  epochs: the unit position is the stream position.
+- **Any ranks x workers**: with fewer shards than readers (ranks x workers), readers share a shard and keep
+  every k-th sample of it (`reader_shards`); steps per epoch are the same on every rank (the count above).
 """
 from __future__ import annotations
 
@@ -194,6 +196,52 @@ def _buffer_shuffle(items, bufsize: int, rng: random.Random):
     yield from buf
 
 
+def _shard_samples(url: str):
+    """The samples of one shard, read once from start to end (the one place the epoch streams open a shard)."""
+    import webdataset as wds
+
+    return wds.tarfile_to_samples()(iter([{"url": url}]))
+
+
+def _unit_shuffle(records, bufsize: int, rng: random.Random, batch_size: int, units_of):
+    """epoch_unit "method" in one read: a shuffle buffer of records, each holding its units in a seeded order
+    (`units_of(key, rec)`); every draw takes a random record's next unit, and a record leaves the buffer (its
+    slot refilled from the stream) when its units are spent. So every unit of every record comes once, the
+    shards are read once, and memory is one buffer of records, as for image epochs. A draw avoids records
+    already in the current batch when the buffer holds another (no sibling captions as false negatives)."""
+    stream = iter(records)
+    buf: list[list] = []
+
+    def refill():
+        while len(buf) < bufsize:
+            item = next(stream, None)
+            if item is None:
+                return
+            key, jpg, rec = item
+            buf.append([key, jpg, rec, list(units_of(key, rec))])
+
+    refill()
+    in_batch: set[str] = set()
+    emitted = 0
+    while buf:
+        i = rng.randrange(len(buf))
+        for j in range(len(buf)):                       # first record from i on that is not in this batch
+            if buf[(i + j) % len(buf)][0] not in in_batch:
+                i = (i + j) % len(buf)
+                break
+        key, jpg, rec, units = buf[i]
+        unit = units.pop(0)
+        yield key, jpg, rec, unit
+        in_batch.add(key)
+        emitted += 1
+        if emitted % batch_size == 0:
+            in_batch.clear()
+        if not units:
+            buf[i] = buf[-1]
+            buf.pop()
+            refill()
+
+
 class _EpochStream(IterableDataset):
     """One epoch of one rank: yields {"batch": collated, "stats": {...}} per batch from each worker."""
 
@@ -212,8 +260,6 @@ class _EpochStream(IterableDataset):
         return [(u, 0, 1) for u in order[reader::readers]]     # validation: each shard whole, by one reader
 
     def __iter__(self):
-        import webdataset as wds
-
         cfg = self.cfg
         method, ctx, bs, train = cfg["method"], cfg["ctx"], cfg["batch_size"], cfg["train"]
         self.epoch, self.skip_batches = int(self.shared_epoch.value), int(self.shared_skip.value)
@@ -225,7 +271,7 @@ class _EpochStream(IterableDataset):
         stats: Counter = Counter()
         misses, seen = 0, set()
 
-        unit_passes = cfg.get("unit_passes", 0)
+        unit_mode = cfg["unit_mode"]
 
         def count_repeat(key):
             if key in seen:
@@ -237,17 +283,17 @@ class _EpochStream(IterableDataset):
         def read(shards):
             nonlocal samples_in_share
             for url, part, parts in shards:
-                for i, sample in enumerate(wds.tarfile_to_samples()(iter([{"url": url}]))):
+                for i, sample in enumerate(_shard_samples(url)):
                     if i % parts == part:
                         samples_in_share += 1
                         yield sample
 
-        def wanted(raw, p):
+        def wanted(raw):
             nonlocal misses
             for s in raw:
                 rec, key = json.loads(s["json"]), s["__key__"]
                 stats["samples_read"] += 1
-                if not unit_passes:
+                if not unit_mode:
                     count_repeat(key)
                 if not method.wants(rec):
                     stats["dropped_by_method"] += 1
@@ -257,14 +303,6 @@ class _EpochStream(IterableDataset):
                                            f"{method.name!r} in {misses} consecutive samples")
                     continue
                 misses = 0
-                if unit_passes:             # epoch_unit "method": this pass's unit of the record, if it has one
-                    cycle, q = divmod(p, unit_passes)
-                    n_units = method.units(rec)
-                    if q >= n_units:
-                        continue
-                    unit = _seeded(cfg["seed"], self.epoch, key, cycle, "units").sample(range(n_units), n_units)[q]
-                    key, rec = f"{key}#{unit}", method.unit_record(rec, unit)
-                    count_repeat(key)
                 yield key, s["jpg"], rec
 
         def passes():
@@ -272,11 +310,19 @@ class _EpochStream(IterableDataset):
             # sees every sample of this worker's shards before any repeat
             p = 0
             while True:
-                stream = wanted(read(self._pass_shards(p, reader, readers)), p)
-                if train:
-                    stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank,
-                                                                                    worker, p, "buf"))
-                yield from stream
+                stream = wanted(read(self._pass_shards(p, reader, readers)))
+                buffer_rng = _seeded(cfg["seed"], self.epoch, rank, worker, p, "buf")
+                if unit_mode:           # epoch_unit "method": every unit of every record in one read (pass)
+                    for key, jpg, rec, unit in _unit_shuffle(
+                            stream, cfg["shuffle_buffer"], buffer_rng, bs,
+                            lambda key, rec, p=p: _seeded(cfg["seed"], self.epoch, key, p, "units").sample(
+                                range(method.units(rec)), method.units(rec))):
+                        count_repeat(f"{key}#{unit}")
+                        yield f"{key}#{unit}", jpg, method.unit_record(rec, unit)
+                elif train:
+                    yield from _buffer_shuffle(stream, cfg["shuffle_buffer"], buffer_rng)
+                else:
+                    yield from stream
                 if not train:
                     return
                 if samples_in_share == 0:
@@ -345,7 +391,7 @@ class ShardLoader:
         log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
                  self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
         self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
-        unit_passes, self.num_units = 0, self.num_wanted
+        self.num_units = self.num_wanted
         if self.epoch_unit != "image":
             shard_units, unit_passes = count_units(self.paths, method)
             self.num_units = sum(shard_units)
@@ -361,7 +407,7 @@ class ShardLoader:
         self._loader = None
         cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
                      "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes,
+                     "max_misses": 2 * self.num_samples + 1, "unit_mode": self.epoch_unit != "image",
                      "rank": self.rank, "world_size": self.world_size}
         self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
 
