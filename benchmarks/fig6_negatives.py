@@ -89,9 +89,10 @@ def synthetic_requests(n: int):
     from clipfinetune.data.negatives.degla.llm import Request
     from clipfinetune.data.negatives.degla.validators import TYPES
 
-    combos = itertools.product(range(10**9), COLOURS, THINGS, PLACES, TYPES)
-    for _, (i, colour, thing, place, type_) in zip(range(n), combos):
-        caption = f"a {colour} {thing} {place} number {i}"
+    combos = list(itertools.product(COLOURS, THINGS, PLACES, TYPES))
+    for i in range(n):
+        colour, thing, place, type_ = combos[i % len(combos)]
+        caption = f"a {colour} {thing} {place} number {i // len(combos)}"
         yield Request(answer_key(caption, type_, 0, "bench", "server", "stub"), caption, type_)
 
 
