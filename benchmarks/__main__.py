@@ -101,6 +101,10 @@ def main(argv=None) -> int:
         from . import fig5_real
         log("figure 5: real size (ViT-B-16 step, SAM vit_b)")
         rows += fig5_real.figure(log=log)
+    if "6" in figures:
+        from . import fig6_negatives
+        log("figure 6: the negatives client against a local stub server (200,000 requests)")
+        rows += fig6_negatives.figure(log=log)
     if "4" in figures:
         from . import fig4_dag
         log("figure 4: whole DAG from scratch")
