@@ -10,11 +10,14 @@ ChatGPT examples are not released), chosen per caption by a hash so prompts vary
 `prompt_version` hashes the template and the bank: editing either re-asks everything.
 
 Backends share one interface, `run(requests, on_result)` with `on_result(request, text, error, raw)`:
-- `ServerBackend`: any OpenAI-compatible `/chat/completions` endpoint (e.g. `vllm serve`), a thread
-  pool of `concurrency` requests, per-request timeout, bounded retries with exponential backoff on
+- `ServerBackend`: any OpenAI-compatible `/chat/completions` endpoint (e.g. `vllm serve`), aiohttp with
+  `concurrency` workers taking requests lazily from one iterator (memory flat, progress/rate/ETA logged every
+  `progress_every` s), per-request timeout, bounded retries with exponential backoff on
   timeouts / connection errors / 429 / 5xx, `response_format={"type": "json_schema", ...}` (vLLM >= 0.12
   ignores the legacy `guided_json`) and an explicit `max_tokens`. A server still unreachable after the
-  retries raises `EndpointError` naming the URL; answers received so far are already in the cache.
+  retries raises `EndpointError` naming the URL; answers received so far are already in the cache. Requests
+  still failing (timeouts, 5xx) after their retries are counted in `run`'s result: the caller decides (see
+  generate.MissingAnswersError).
 - `OfflineBackend`: `vllm.LLM.chat` over chunks of requests with `SamplingParams(structured_outputs=
   StructuredOutputsParams(json=schema))` (`GuidedDecodingParams` on older vLLM); `vllm` is imported lazily.
   On vLLM's CPU build chunked prefill is turned off (seeded requests crash it there, see `_engine`).
