@@ -152,12 +152,12 @@ def loader_epoch(root: Path) -> dict:
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.methods.clip import ClipMethod
 
-    ctx = ExampleContext(lambda im: torch.from_numpy(np.asarray(im.resize((8, 8)), dtype=np.uint8)),
+    ctx = ExampleContext(lambda im: torch.from_numpy(np.array(im.resize((8, 8)), dtype=np.uint8)),
                          tokenize=lambda texts: torch.zeros(len(texts), 77, dtype=torch.long), image_size=8)
     loader = ShardLoader(root / "shards", "train", ClipMethod(), ctx, batch_size=256, num_workers=2,
                          epoch_unit="method")
     n = sum(len(b["text"]) for b in loader.batches(0))
-    return {"units": loader.num_units, "examples": n, "shards_read": len(loader.paths)}
+    return {"units": loader.num_units, "examples": n, "shards_opened": len(loader.paths)}
 
 
 def negatives_client(root: Path) -> dict:
