@@ -63,7 +63,13 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="figure 4: keep the DAG's tmp copy (to run experiments in it)")
     ap.add_argument("--pairs", type=int, default=3, help="figure 1: interleaved ours/open_clip run pairs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results.json"))
+    ap.add_argument("--scale", action="store_true",
+                    help="only the COCO-sized rehearsal of the CPU data stages (benchmarks/scale.py)")
+    ap.add_argument("--fraction", type=float, default=1.0, help="--scale: this fraction of COCO/DOCCI's size")
     args = ap.parse_args(argv)
+    if args.scale:
+        from . import scale
+        return scale.main(args.fraction)
     figures = {f.strip() for f in args.only.split(",") if f.strip()} | ({"4"} if args.dag else set())
     WORK.mkdir(parents=True, exist_ok=True)
 
@@ -95,6 +101,10 @@ def main(argv=None) -> int:
         from . import fig5_real
         log("figure 5: real size (ViT-B-16 step, SAM vit_b)")
         rows += fig5_real.figure(log=log)
+    if "6" in figures:
+        from . import fig6_negatives
+        log("figure 6: the negatives client against a local stub server (200,000 requests)")
+        rows += fig6_negatives.figure(log=log)
     if "4" in figures:
         from . import fig4_dag
         log("figure 4: whole DAG from scratch")

@@ -37,8 +37,9 @@ def train_shards(shards=SHARDS) -> list[str]:
 
 
 def shard_brace(shards=SHARDS) -> str:
-    names = [p.rsplit("-", 1)[1].split(".")[0] for p in train_shards(shards)]
-    return str(Path(shards) / f"train-{{{names[0]}..{names[-1]}}}.tar")
+    from clipfinetune.data.prepare.shards import open_clip_pattern
+
+    return open_clip_pattern(train_shards(shards))
 
 
 # ------------------------------------------------------------------------------------------ ours (child process)

@@ -2,7 +2,9 @@
 
 Backends (`negatives.backend`): `rules` (spaCy/WordNet, CPU; the sample world's default), `server` (any
 OpenAI-compatible endpoint such as `vllm serve`), `offline` (`vllm.LLM`). Answers are cached in
-`negatives.cache_dir` (outside DVC's outputs), so a re-run asks nothing already answered.
+`negatives.cache_dir` (outside DVC's outputs), so a re-run asks nothing already answered. A request still
+unanswered after its retries fails the stage (exit status 1, the count in the message) unless there are at most
+`negatives.max_failures` of them; the re-run then asks only the missing ones.
 Outputs: data/prepared/negatives.parquet, data/prepared/negatives.meta.json, metrics/negatives.json.
 """
 from __future__ import annotations
@@ -50,7 +52,12 @@ def run(p: StageParams, log) -> dict:
     import pandas as pd
 
     from clipfinetune.data.negatives.degla.cache import AnswerCache
-    from clipfinetune.data.negatives.degla.generate import COLUMNS, caption_records, generate_negatives
+    from clipfinetune.data.negatives.degla.generate import (
+        COLUMNS,
+        MissingAnswersError,
+        caption_records,
+        generate_negatives,
+    )
     from clipfinetune.data.negatives.degla.llm import prompt_version
     from clipfinetune.data.readers import read_source, source_paths
     from clipfinetune.io import write_json, write_parquet
@@ -59,6 +66,7 @@ def run(p: StageParams, log) -> dict:
     spec = source_specs(p, name)[name]
     per_caption = int(p["negatives.per_caption"])
     cache_dir = Path(p["negatives.cache_dir"])
+    max_failures = int(p["negatives.max_failures"])
     backend, cfg = make_backend(p)
     p.check_all_read()
     if backend.name == "rules":
@@ -70,8 +78,12 @@ def run(p: StageParams, log) -> dict:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{backend.name}-{backend.model}")
     t0 = time.time()
     with AnswerCache(cache_dir / f"answers-{slug}.jsonl") as cache:
-        rows, stats = generate_negatives(records, backend, cache, pv, per_caption=per_caption,
-                                         seed=int(cfg["seed"]))
+        try:
+            rows, stats = generate_negatives(records, backend, cache, pv, per_caption=per_caption,
+                                             seed=int(cfg["seed"]), max_failures=max_failures)
+        except MissingAnswersError as e:
+            raise SystemExit(f"negatives: {e} (cache: {cache.path}). Re-run the stage (`dvc repro negatives`), "
+                             f"or set negatives.max_failures >= {e.failed} to accept the gaps") from e
     stats.update(seconds=round(time.time() - t0, 2), captions_file=source_paths(spec)[0],
                  skipped=dict(skips), cache_file=str(cache.path))
     if backend.name == "offline":

@@ -94,10 +94,28 @@ def test_sizes_json_and_shard_names(built):
     for s in read_all(out).values():
         counts[s["__shard__"]] = counts.get(s["__shard__"], 0) + 1
     assert sizes == counts and max(sizes.values()) <= 8
-    assert all(n.startswith(("train-", "val-")) and n[-10:-4].isdigit() for n in sizes)
-    sources = [{json.loads(s["json"])["source"] for s in read_all(out).values() if s["__shard__"] == n}
-               for n in sizes if n.startswith("train")]
-    assert sum(len(x) == 2 for x in sources) >= len(sources) // 2          # sources are mixed across shards
+    assert all(n.startswith(("train-coco-", "val-coco-", "train-docci-", "val-docci-")) and n[-10:-4].isdigit()
+               for n in sizes)
+    for n in sizes:                                                         # one source per shard, in its name
+        assert {json.loads(s["json"])["source"] for s in read_all(out).values() if s["__shard__"] == n} \
+            == {n.split("-")[1]}
+
+
+def test_index_lists_each_sources_shards_and_field_signatures(built):
+    _, out, _ = built
+    index = json.loads((out / "index.json").read_text())
+    samples = read_all(out)
+    for split in ("train", "val"):
+        for source, entry in index[split].items():
+            mine = [json.loads(s["json"]) for s in samples.values()
+                    if s["__shard__"].startswith(f"{split}-") and json.loads(s["json"])["source"] == source]
+            assert entry["samples"] == len(mine) == sum(sig["samples"] for sig in entry["signatures"])
+            assert sorted(entry["shards"]) == sorted({s["__shard__"] for s in samples.values()
+                                                      if s["__shard__"].startswith(f"{split}-{source}-")})
+            carried = {tuple(f for f in ("captions", "long_caption", "word_regions", "sentences", "local_pair",
+                                         "negatives") if rec[f]) for rec in mine}
+            assert {tuple(sig["fields"]) for sig in entry["signatures"]} == carried
+            assert all(sig["example"] in mine for sig in entry["signatures"])
 
 
 def test_rerun_is_byte_identical(built, tmp_path):
@@ -115,9 +133,12 @@ def test_open_clip_reads_the_shards(built):
 
     patch()     # open_clip_train 3.3.0 x webdataset 1.0: end-of-shard marker fix (open_clip#935)
     _, out, _ = built
+    from clipfinetune.data.prepare.shards import open_clip_pattern
+
     names = sorted(p.name for p in out.glob("train-*.tar"))
     sizes = json.loads((out / "sizes.json").read_text())
-    args = argparse.Namespace(train_data=str(out / f"train-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"),
+    assert "::" in open_clip_pattern([str(out / n) for n in names])            # one range per source
+    args = argparse.Namespace(train_data=open_clip_pattern([str(out / n) for n in names]),
                               val_data=None, train_num_samples=None, train_data_upsampling_factors=None,
                               dataset_resampled=False, seed=0, batch_size=4, world_size=1, workers=0,
                               val_num_samples=None)

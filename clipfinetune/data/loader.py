@@ -1,10 +1,11 @@
 """The training loader: shards -> method batches, deterministic by (seed, epoch) and resumable exactly.
 
-Pipeline per loader worker (a WebDataset pipeline; rank/world and worker ids from
-`webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed):
+Pipeline per loader worker (a WebDataset pipeline; rank/world given to ShardLoader, else from
+`webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed; worker ids from torch):
 
     for each pass over the data (train: pass after pass until the epoch's batches are made):
-        shard list shuffled by (seed, epoch, pass) -> wds.split_by_node -> wds.split_by_worker
+        shard list (of the sources the method wants, index.json) shuffled by (seed, epoch, pass)
+        -> this reader's share (`reader_shards`: whole shards, or every k-th sample of a shared one)
         -> wds.tarfile_to_samples -> json -> method.wants(record) filter
         -> shuffle buffer seeded by (seed, epoch, rank, worker, pass)
     -> skip (resume) -> PIL RGB decode (corrupt: counted skip) -> method.make_example(record, image, rng, ctx)
@@ -36,13 +37,15 @@ Decisions:
 - Validation (`train=False`): one pass in shard order, no shuffle, partial last batches, no repeats.
 - **Epoch unit** (`epoch_unit`): "image" (default) draws one example per wanted record per epoch (the method's
   `make_example` picks a caption/row with its rng). "method" iterates the method's own `epoch_unit` (caption,
-  word-region pair; `Method.units`/`unit_record`): the epoch's length is the number of units, and a cycle of
-  P = max units-per-record passes yields, in pass q, unit `order[q]` of every record that has more than q units,
-  `order` a permutation seeded by (seed, epoch, key, cycle). So every unit comes once per epoch (one worker and
-  rank; with several, up to the shard imbalance images have too), in a seeded order, and one pass never holds the
-  same image twice (a batch of one pass has no sibling captions as false negatives, as a global shuffle of ~400K
-  pairs rarely has). Cost: P reads of the shards per epoch (records past their units are skipped before
-  decoding). Determinism and resume are those of image epochs: the unit position is the stream position.
+  word-region pair; `Method.units`/`unit_record`): the epoch's length is the number of units, and ONE read of
+  the shards yields every unit of every wanted record (`_unit_shuffle`: a shuffle buffer of records, each
+  giving its units in an order seeded by (seed, epoch, key, pass), one at a time at random draws; a draw avoids
+  records already in the current batch while the buffer holds others, so a batch rarely has sibling captions as
+  false negatives). So every unit comes once per epoch (one worker and rank; with several, up to the shard
+  imbalance images have too), memory is one shuffle buffer, and determinism and resume are those of image
+  epochs: the unit position is the stream position.
+- **Any ranks x workers**: with fewer shards than readers (ranks x workers), readers share a shard and keep
+  every k-th sample of it (`reader_shards`); steps per epoch are the same on every rank (the count above).
 - **Epoch sample** (`epoch_samples` = N > 0, fewer than the epoch's units): training runs on a FIXED subset of N
   units (images, or the method's units), drawn once per run with `random.Random(f"{seed}:epoch_samples")` from
   the sorted unit keys ("<key>" or "<key>#<unit>"); every epoch is one pass over that subset, in its own seeded
@@ -107,11 +110,42 @@ class ExampleContext:
         return online_negatives(caption, rng)
 
 
-def shard_paths(shards_dir: str | Path, split: str) -> list[str]:
+def wanted_sources(shards_dir: str | Path, split: str, method) -> list[str] | None:
+    """The sources of `split` whose records `method` wants, from the shards stage's index.json: a source is read
+    iff `method.wants` accepts the example record of one of its field signatures (`wants` looks at which fields
+    a record carries, never at its source). None when the shards have no index (all shards are read)."""
+    path = Path(shards_dir) / "index.json"
+    if method is None or not path.is_file():
+        return None
+    index = json.loads(path.read_text()).get(split, {})
+    return sorted(source for source, entry in index.items()
+                  if any(method.wants(sig["example"]) for sig in entry["signatures"]))
+
+
+def shard_paths(shards_dir: str | Path, split: str, method=None) -> list[str]:
+    """The `split` shards, only those of the sources `method` wants when the shards have an index.json."""
     paths = sorted(str(p) for p in Path(shards_dir).glob(f"{split}-*.tar"))
     if not paths:
         raise InputError(shards_dir, split, f"no {split}-*.tar shards (run `dvc repro shards`)")
+    sources = wanted_sources(shards_dir, split, method)
+    if sources is not None:
+        index = json.loads((Path(shards_dir) / "index.json").read_text())[split]
+        names = {name for source in sources for name in index[source]["shards"]}
+        paths = [p for p in paths if Path(p).name in names]
+        if not paths:
+            raise InputError(shards_dir, split, f"method {method.name!r} wants the records of no source")
     return paths
+
+
+def reader_shards(order: list[str], reader: int, readers: int) -> list[tuple[str, int, int]]:
+    """(shard, part, parts) for reader `reader` of `readers` (rank x worker): with at least as many shards as
+    readers, every `readers`-th shard whole (part 0 of 1; webdataset's split_by_node then split_by_worker when
+    reader = rank + world * worker); with fewer, the readers share shard `reader % len(order)`, each keeping the
+    samples whose position in it is `part` modulo `parts` (sample-level split), so any ranks x workers work."""
+    if len(order) >= readers:
+        return [(u, 0, 1) for u in order[reader::readers]]
+    shard = reader % len(order)
+    return [(order[shard], reader // len(order), len(range(shard, readers, len(order))))]
 
 
 def iter_shard_records(path: str) -> Iterator[tuple[str, dict]]:
@@ -177,6 +211,54 @@ def _buffer_shuffle(items, bufsize: int, rng: random.Random):
     yield from buf
 
 
+def _shard_samples(url: str):
+    """The samples of one shard, read once from start to end (the one place the epoch streams open a shard)."""
+    import webdataset as wds
+
+    return wds.tarfile_to_samples()(iter([{"url": url}]))
+
+
+def _unit_shuffle(records, bufsize: int, rng: random.Random, batch_size: int, units_of):
+    """epoch_unit "method" in one read: a shuffle buffer of records, each holding its units in a seeded order
+    (`units_of(key, rec)`); every draw takes a random record's next unit, and a record leaves the buffer (its
+    slot refilled from the stream) when its units are spent. So every unit of every record comes once, the
+    shards are read once, and memory is one buffer of records, as for image epochs. A draw avoids records
+    already in the current batch when the buffer holds another (no sibling captions as false negatives)."""
+    stream = iter(records)
+    buf: list[list] = []
+
+    def refill():
+        while len(buf) < bufsize:
+            item = next(stream, None)
+            if item is None:
+                return
+            key, jpg, rec = item
+            units = list(units_of(key, rec))
+            if units:                               # none: every unit outside the epoch sample
+                buf.append([key, jpg, rec, units])
+
+    refill()
+    in_batch: set[str] = set()
+    emitted = 0
+    while buf:
+        i = rng.randrange(len(buf))
+        for j in range(len(buf)):                       # first record from i on that is not in this batch
+            if buf[(i + j) % len(buf)][0] not in in_batch:
+                i = (i + j) % len(buf)
+                break
+        key, jpg, rec, units = buf[i]
+        unit = units.pop(0)
+        yield key, jpg, rec, unit
+        in_batch.add(key)
+        emitted += 1
+        if emitted % batch_size == 0:
+            in_batch.clear()
+        if not units:
+            buf[i] = buf[-1]
+            buf.pop()
+            refill()
+
+
 class _EpochStream(IterableDataset):
     """One epoch of one rank: yields {"batch": collated, "stats": {...}} per batch from each worker."""
 
@@ -187,36 +269,48 @@ class _EpochStream(IterableDataset):
         self.cfg, self.batches_per_worker = cfg, batches_per_worker
         self.shared_epoch, self.shared_skip = mp.Value("q", 0), mp.Value("q", 0)   # set by ShardLoader.batches
 
-    def _pass_urls(self, p: int):
+    def _pass_shards(self, p: int, reader: int, readers: int) -> list[tuple[str, int, int]]:
         order = list(self.cfg["paths"])
         if self.cfg["train"]:
             _seeded(self.cfg["seed"], self.epoch, "shards", p).shuffle(order)
-        return ({"url": u} for u in order)
+            return reader_shards(order, reader, readers)
+        return [(u, 0, 1) for u in order[reader::readers]]     # validation: each shard whole, by one reader
 
     def __iter__(self):
-        import webdataset as wds
-
         cfg = self.cfg
         method, ctx, bs, train = cfg["method"], cfg["ctx"], cfg["batch_size"], cfg["train"]
         self.epoch, self.skip_batches = int(self.shared_epoch.value), int(self.shared_skip.value)
-        rank, _, worker, _ = wds.utils.pytorch_worker_info()
+        rank, world = cfg["rank"], cfg["world_size"]
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        reader, readers = rank + world * worker, world * workers
         in_worker = torch.utils.data.get_worker_info() is not None     # never touch the main process's RNG
         stats: Counter = Counter()
         misses, seen = 0, set()
 
-        unit_passes, subset = cfg.get("unit_passes", 0), cfg.get("subset")
+        unit_mode, subset = cfg["unit_mode"], cfg.get("subset")
 
         def count_repeat(key):
             if key in seen:
                 stats["samples_repeated"] += 1
             seen.add(key)
 
-        def wanted(raw, p):
+        samples_in_share = 0
+
+        def read(shards):
+            nonlocal samples_in_share
+            for url, part, parts in shards:
+                for i, sample in enumerate(_shard_samples(url)):
+                    if i % parts == part:
+                        samples_in_share += 1
+                        yield sample
+
+        def wanted(raw):
             nonlocal misses
             for s in raw:
                 rec, key = json.loads(s["json"]), s["__key__"]
                 stats["samples_read"] += 1
-                if not unit_passes:
+                if not unit_mode:
                     count_repeat(key)
                 if not method.wants(rec):
                     stats["dropped_by_method"] += 1
@@ -226,36 +320,42 @@ class _EpochStream(IterableDataset):
                                            f"{method.name!r} in {misses} consecutive samples")
                     continue
                 misses = 0
-                if subset is not None and not unit_passes and key not in subset:
+                if subset is not None and not unit_mode and key not in subset:
                     stats["outside_epoch_sample"] += 1
                     continue
-                if unit_passes:             # epoch_unit "method": this pass's unit of the record, if it has one
-                    cycle, q = divmod(p, unit_passes)
-                    n_units = method.units(rec)
-                    if q >= n_units:
-                        continue
-                    unit = _seeded(cfg["seed"], self.epoch, key, cycle, "units").sample(range(n_units), n_units)[q]
-                    key = f"{key}#{unit}"
-                    if subset is not None and key not in subset:
-                        stats["outside_epoch_sample"] += 1
-                        continue
-                    rec = method.unit_record(rec, unit)
-                    count_repeat(key)
                 yield key, s["jpg"], rec
+
+        def units_of(key, rec, p):
+            """The record's units in this pass's seeded order, those outside the epoch sample left out (counted)."""
+            n_units = method.units(rec)
+            units = _seeded(cfg["seed"], self.epoch, key, p, "units").sample(range(n_units), n_units)
+            if subset is None:
+                return units
+            kept = [u for u in units if f"{key}#{u}" in subset]
+            stats["outside_epoch_sample"] += n_units - len(kept)
+            return kept
 
         def passes():
             # pass after pass over the shards (train); each pass is shuffled on its own, so an epoch
             # sees every sample of this worker's shards before any repeat
             p = 0
             while True:
-                urls = wds.split_by_worker(wds.split_by_node(self._pass_urls(p)))
-                stream = wanted(wds.tarfile_to_samples()(urls), p)
-                if train:
-                    stream = _buffer_shuffle(stream, cfg["shuffle_buffer"], _seeded(cfg["seed"], self.epoch, rank,
-                                                                                    worker, p, "buf"))
-                yield from stream
+                stream = wanted(read(self._pass_shards(p, reader, readers)))
+                buffer_rng = _seeded(cfg["seed"], self.epoch, rank, worker, p, "buf")
+                if unit_mode:           # epoch_unit "method": every unit of every record in one read (pass)
+                    for key, jpg, rec, unit in _unit_shuffle(stream, cfg["shuffle_buffer"], buffer_rng, bs,
+                                                             lambda key, rec, p=p: units_of(key, rec, p)):
+                        count_repeat(f"{key}#{unit}")
+                        yield f"{key}#{unit}", jpg, method.unit_record(rec, unit)
+                elif train:
+                    yield from _buffer_shuffle(stream, cfg["shuffle_buffer"], buffer_rng)
+                else:
+                    yield from stream
                 if not train:
                     return
+                if samples_in_share == 0:
+                    raise RuntimeError(f"rank {rank} worker {worker}: its share of the shards holds no sample "
+                                       f"({len(cfg['paths'])} shards for {readers} readers)")
                 p += 1
 
         to_skip, n, batch, produced = self.skip_batches * bs, 0, [], self.skip_batches
@@ -294,7 +394,8 @@ class ShardLoader:
 
     def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
                  seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True,
-                 epoch_unit: str = "image", epoch_samples: int = 0):
+                 epoch_unit: str = "image", epoch_samples: int = 0, rank: int | None = None,
+                 world_size: int | None = None):
         import webdataset as wds
 
         if batch_size < 1:
@@ -303,10 +404,14 @@ class ShardLoader:
             raise ValueError(f"epoch_unit must be 'image' or 'method', got {epoch_unit!r}")
         if epoch_unit == "method" and not train:
             raise ValueError("epoch_unit 'method' is for training loaders (validation is one pass over the images)")
-        self.paths = shard_paths(shards_dir, split)
+        self.paths = shard_paths(shards_dir, split, method)
         self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
         self.num_workers, self.train = num_workers, train
-        self.rank, self.world_size, _, _ = wds.utils.pytorch_worker_info()
+        env_rank, env_world, _, _ = wds.utils.pytorch_worker_info()   # env RANK/WORLD_SIZE or torch.distributed
+        self.rank = env_rank if rank is None else rank
+        self.world_size = env_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         totals, wanted, _ = count_wanted(self.paths, method)
         self.num_samples, self.num_wanted = sum(totals), sum(wanted)
         self.shard_wanted = dict(zip(self.paths, wanted))
@@ -315,7 +420,7 @@ class ShardLoader:
         log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
                  self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
         self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
-        unit_passes, self.num_units = 0, self.num_wanted
+        self.num_units = self.num_wanted
         if self.epoch_unit != "image":
             shard_units, unit_passes = count_units(self.paths, method)
             self.num_units = sum(shard_units)
@@ -330,9 +435,6 @@ class ShardLoader:
                      self.num_units, self.epoch_unit)
             self.num_units = epoch_samples
         w = max(1, num_workers)
-        if train and len(self.paths) < w * self.world_size:
-            raise InputError(shards_dir, split, f"{len(self.paths)} shards for {w} workers x {self.world_size} ranks: "
-                             "every worker needs a shard (fewer workers, or smaller shards.maxcount)")
         if train:
             nb = math.ceil(self.num_units / (batch_size * self.world_size))
             self.batches_per_epoch = math.ceil(nb / w) * w
@@ -342,13 +444,15 @@ class ShardLoader:
         self._loader = None
         cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
                      "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-                     "max_misses": 2 * self.num_samples + 1, "unit_passes": unit_passes,
+                     "max_misses": 2 * self.num_samples + 1, "unit_mode": self.epoch_unit != "image",
+                     "rank": self.rank, "world_size": self.world_size,
                      **({"subset": subset} if subset is not None else {})}
         self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
 
     def _eval_batches(self, w: int) -> int:
-        mine = self.paths[self.rank::self.world_size]
-        return sum(math.ceil(sum(self.shard_wanted[p] for p in mine[i::w]) / self.batch_size) for i in range(w))
+        readers = self.world_size * w
+        return sum(math.ceil(sum(self.shard_wanted[p] for p in self.paths[self.rank + self.world_size * i::readers])
+                             / self.batch_size) for i in range(w))
 
     def __len__(self) -> int:
         return self.batches_per_epoch

@@ -10,9 +10,16 @@ as they are. Decisions:
   -> the summary sentence (sentence 0; the whole long caption when it has no sentences row). Long-caption
   records have `captions: []` (DOCCI has no short captions; the summary is `sentences[0]`). A record with
   neither is skipped and counted (`<source>_empty_long_caption_skipped`).
-- Sample order: by SHA-1 of the key, so every shard mixes the sources (a method that wants some fields
-  still finds samples in every shard / loader worker). Split: a sample is `val` iff the first
-  8 hex digits of SHA-1(key) / 2^32 < `val_fraction` (fixed per image, independent of the rest).
+- Shards per source: `<split>-<source>-%06d.tar` (one flat folder, so open_clip's sizes.json still names
+  every shard), so a method that wants only some sources' records reads only their shards. `index.json`
+  says, per split and source, its shards and, per *field signature* (which of the fields FIELDS are
+  non-empty), the count and one example record: the loader evaluates a method's `wants` on the examples
+  to pick the sources (`wants` looks at fields, never at `source`). Within a source, samples are ordered by
+  SHA-1 of the key. Split: a sample is `val` iff the first 8 hex digits of SHA-1(key) / 2^32 <
+  `val_fraction` (fixed per image, independent of the rest).
+- Shard size: `maxcount` samples. Rule (README): at real scale pick maxcount so that each source the
+  smallest method reads has several shards per reader (ranks x loader workers); the loader itself works at
+  any count (it splits samples, not only shards, across readers when shards are fewer than readers).
 - Every annotation row is checked against the sample before it is attached: a word region or negative
   whose caption text differs from `captions[caption_index]`, or a local pair whose sentence index is out
   of range, is dropped and counted (stale intermediates), never attached to the wrong text.
@@ -36,6 +43,7 @@ import pandas as pd
 from clipfinetune.io import ImageTooLarge, InputError, checked_image_size
 
 SPLITS = ("train", "val")
+FIELDS = ("captions", "long_caption", "word_regions", "sentences", "local_pair", "negatives")   # index.json signatures
 REQUIRED = {
     "word_regions": ["image_id", "caption_index", "caption", "word", "char_start", "char_end", "category",
                      "x0", "y0", "x1", "y1"],
@@ -173,20 +181,40 @@ def shard_record(record, notes: Annotations, counts: Counter) -> dict | None:
             "txt": txt}
 
 
+def open_clip_pattern(shard_paths: list[str]) -> str:
+    """open_clip's --train-data for these `<split>-<source>-%06d.tar` shards: one brace range per source, joined
+    by `::` (open_clip's list separator); sizes.json in their folder gives the counts."""
+    ranges: dict[str, list[str]] = {}
+    for p in sorted(shard_paths):
+        stem, number = str(p)[:-len(".tar")].rsplit("-", 1)
+        ranges.setdefault(stem, []).append(number)
+    return "::".join(f"{stem}-{{{n[0]}..{n[-1]}}}.tar" if len(n) > 1 else f"{stem}-{n[0]}.tar"
+                     for stem, n in ranges.items())
+
+
 def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: int, val_fraction: float,
-                 counts: Counter) -> dict:
-    """Write {train,val}-%06d.tar + sizes.json into out_dir; returns {split: {shard name: count}}."""
+                 counts: Counter) -> tuple[dict, dict]:
+    """Write {train,val}-<source>-%06d.tar into out_dir; returns ({split: {shard name: count}}, index), index =
+    {split: {source: {"shards": [names], "samples": n, "signatures": [{"fields", "samples", "example"}]}}}."""
     import webdataset as wds
 
     out_dir = Path(out_dir)
-    records = sorted(records, key=lambda r: (key_digest(r["key"]), r["key"]))
+    records = sorted(records, key=lambda r: (r["json"]["source"], key_digest(r["key"]), r["key"]))
     keys = [r["key"] for r in records]
     if len(set(keys)) != len(keys):
         dup = next(k for k, n in Counter(keys).items() if n > 1)
         raise InputError(out_dir, dup, "two samples share a key")
     sizes: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
-    writers = {s: wds.ShardWriter(str(out_dir / f"{s}-%06d.tar"), maxcount=maxcount, maxsize=3e9, verbose=0,
-                                  mtime=0) for s in SPLITS}
+    index: dict[str, dict[str, dict]] = {s: {} for s in SPLITS}
+    signatures: dict[tuple, dict] = {}
+    writers: dict[tuple[str, str], object] = {}
+
+    def writer(split: str, source: str):
+        if (split, source) not in writers:
+            writers[split, source] = wds.ShardWriter(str(out_dir / f"{split}-{source}-%06d.tar"), maxcount=maxcount,
+                                                     maxsize=3e9, verbose=0, mtime=0)
+        return writers[split, source]
+
     try:
         for r in records:
             try:
@@ -205,13 +233,23 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
             if r["size"] is not None and tuple(size) != tuple(r["size"]):
                 counts["images_skipped_size_mismatch"] += 1
                 continue
-            split = split_of(r["key"], val_fraction)
+            split, source = split_of(r["key"], val_fraction), r["json"]["source"]
             meta = {**r["json"], "width": int(size[0]), "height": int(size[1])}
-            w = writers[split]
+            w = writer(split, source)
             w.write({"__key__": r["key"], "jpg": data, "txt": r["txt"],
                      "json": json.dumps(meta, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()})
             name = Path(w.fname).name
             sizes[split][name] = sizes[split].get(name, 0) + 1
+            entry = index[split].setdefault(source, {"shards": [], "samples": 0, "signatures": []})
+            if not entry["shards"] or entry["shards"][-1] != name:
+                entry["shards"].append(name)
+            entry["samples"] += 1
+            fields = [f for f in FIELDS if meta.get(f)]
+            sig = signatures.setdefault((split, source, tuple(fields)), {"fields": fields, "samples": 0,
+                                                                         "example": meta})
+            if sig["samples"] == 0:
+                entry["signatures"].append(sig)
+            sig["samples"] += 1
             counts[f"samples_{split}"] += 1
             counts[f"samples_{split}_{meta['source']}"] += 1
             for field in ("word_regions", "sentences", "local_pair", "negatives"):
@@ -224,14 +262,14 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
         for p in out_dir.glob(f"{s}-*.tar"):
             if p.name not in sizes[s]:
                 p.unlink()
-    return sizes
+    return sizes, index
 
 
 def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike, sources: dict[str, dict],
                  prepared_from: dict, splits, maxcount: int, val_fraction: float, read: tuple | None = None) -> dict:
     """The `shards` stage: every record of `sources` ({name: params `sources.<name>`}) whose split is in `splits`
     (records without a split always), with the prepared annotations of its source; the whole `out_dir` (tars,
-    sizes.json, meta.json) replaced atomically; returns meta. `read` = (`read_sources`' {name: records}, its skip
+    sizes.json, index.json, meta.json) replaced atomically; returns meta. `read` = (`read_sources`' {name: records}, its skip
     Counter) when the caller has already read the sources (the stage's leakage check)."""
     from clipfinetune.data.readers import in_splits, read_sources
     from clipfinetune.io import atomic_path, write_json
@@ -255,7 +293,7 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
         sum(len(v) for v in notes.negatives.values()) - notes.negatives_matched
     with atomic_path(out_dir, is_dir=True) as tmp:
         os.chmod(tmp, 0o755)        # mkdtemp's 0700 would make the shards private to this user
-        sizes = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
+        sizes, index = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
         for key in ("images_skipped_missing", "images_skipped_corrupt", "images_skipped_too_large",
                     "images_skipped_size_mismatch",
                     "samples_train", "samples_val", "word_regions_stale_dropped", "negatives_stale_dropped",
@@ -270,4 +308,5 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
                 **dict(sorted(counts.items()))}
         write_json(tmp / "sizes.json", {**sizes["train"], **sizes["val"]})
         write_json(tmp / "meta.json", meta)
+        write_json(tmp / "index.json", index)
     return meta

@@ -9,7 +9,9 @@ prompt_version, backend, model)`:
 - a run killed mid-write leaves at most one truncated last line: the reader skips lines that do not
   parse (counted in `corrupt_lines`), and the writer first terminates such a line with a newline, so the
   next record always starts on a line of its own;
-- the last record of a key wins, so a re-run never asks again what is already answered.
+- the last record of a key wins, so a re-run never asks again what is already answered;
+- in memory only each key's `text` and `error` are kept (not the prompt's fields or the raw reply), so millions
+  of answers (DeGLA on COCO: ~2.5M) fit in a few hundred MB.
 Only answers are cached (including malformed ones, with the reason); transport failures (timeouts,
 5xx, unreachable server) are not, so a re-run asks them again.
 """
@@ -31,7 +33,7 @@ class AnswerCache:
     def __init__(self, path: str | os.PathLike, fsync_every: int = 64):
         self.path = Path(path)
         self.fsync_every = fsync_every
-        self.records: dict[str, dict] = {}
+        self.records: dict[str, tuple] = {}     # key -> (text, error)
         self.corrupt_lines = 0
         self._fd: int | None = None
         self._pending = 0
@@ -45,7 +47,7 @@ class AnswerCache:
             for line in f:
                 try:
                     rec = json.loads(line)
-                    self.records[rec["key"]] = rec
+                    self.records[rec["key"]] = (rec.get("text"), rec.get("error"))
                 except (ValueError, KeyError, TypeError):
                     self.corrupt_lines += 1
 
@@ -53,7 +55,9 @@ class AnswerCache:
         return key in self.records
 
     def get(self, key: str) -> dict | None:
-        return self.records.get(key)
+        """{"text", "error"} of the key's last answer, or None."""
+        got = self.records.get(key)
+        return None if got is None else {"text": got[0], "error": got[1]}
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode()
@@ -61,7 +65,7 @@ class AnswerCache:
             if self._fd is None:
                 self._open()
             os.write(self._fd, line)
-            self.records[record["key"]] = record
+            self.records[record["key"]] = (record.get("text"), record.get("error"))
             self._pending += 1
             if self._pending >= self.fsync_every:
                 os.fsync(self._fd)

@@ -13,6 +13,10 @@ one-object caption) or duplicating another slot is filled from, in order: the un
 second answer (variant 1) of replace_nouns and of replace_adjectives, asked only for such captions.
 Each row's `type` names the subtype that produced it. `valid4` = K distinct negatives, each different
 from the caption and valid for its own type.
+
+No silent gaps: a request still unanswered after the backend's retries is a hole in the table, so more than
+`max_failures` of them raise `MissingAnswersError` (with the count) before anything is merged; the answers
+received are in the cache, so the next run asks only the missing ones.
 """
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ FILL_TYPES = ("replace_nouns", "replace_adjectives")
 COLUMNS = ("image_id", "caption_index", "caption", "type", "negative")
 
 
+class MissingAnswersError(RuntimeError):
+    """More requests than allowed got no answer after their retries (the answers received are cached)."""
+
+    def __init__(self, failed: int, asked: int, allowed: int, last_error: str):
+        self.failed, self.asked, self.allowed, self.last_error = failed, asked, allowed, last_error
+        super().__init__(f"{failed} of {asked} LLM requests got no answer after their retries (at most {allowed} "
+                         f"allowed; last error: {last_error or 'none'}). The answers received are cached: a "
+                         f"re-run asks only the {failed} missing ones")
+
+
 def caption_records(records) -> list[dict]:
     """Reader `Record`s -> [{image_id, caption_index, caption}], one per short caption, caption_index = its position
     in `record.captions` (the reader's rule, e.g. COCO's file order), records in the reader's order."""
@@ -45,8 +59,8 @@ def _pick_swap_first(caption: str, seed: int) -> bool:
 class _Answers:
     """Answers for this run: the cache's view plus validation, keyed like the cache."""
 
-    def __init__(self, backend, cache, prompt_version: str):
-        self.backend, self.cache, self.pv = backend, cache, prompt_version
+    def __init__(self, backend, cache, prompt_version: str, max_failures: int | None):
+        self.backend, self.cache, self.pv, self.max_failures = backend, cache, prompt_version, max_failures
         self.model = getattr(backend, "cache_id", None) or backend.model   # model + sampling settings
         self.asked = 0
         self.cached = 0
@@ -78,6 +92,8 @@ class _Answers:
         self.asked += len(reqs)
         stats = self.backend.run(reqs, on_result) or {}
         self.failed += stats.get("failed", 0)
+        if self.max_failures is not None and self.failed > self.max_failures:
+            raise MissingAnswersError(self.failed, self.asked, self.max_failures, stats.get("last_error", ""))
 
     def verdict(self, caption, type_, variant=0) -> tuple[str | None, str]:
         """(negative, "") if valid, else (None, reason)."""
@@ -114,12 +130,13 @@ def _merge(caption: str, verdicts: dict, k: int, seed: int, dup: Counter) -> lis
 
 
 def generate_negatives(records: list[dict], backend, cache, prompt_version: str, per_caption: int = 4,
-                       seed: int = 0) -> tuple[list[dict], dict]:
-    """Rows (COLUMNS) in record order x slot order, and the statistics for meta/metrics."""
+                       seed: int = 0, max_failures: int | None = None) -> tuple[list[dict], dict]:
+    """Rows (COLUMNS) in record order x slot order, and the statistics for meta/metrics. `max_failures`: how many
+    requests may stay unanswered (None: any number, each counted as `request_failed`)."""
     captions = list(dict.fromkeys(r["caption"] for r in records))
     warm(captions)
     backend.prepare(captions)
-    ans = _Answers(backend, cache, prompt_version)
+    ans = _Answers(backend, cache, prompt_version, max_failures)
     ans.ensure([(c, t, 0) for c in captions for t in TYPES])
 
     rejects, per_type_valid, dup = Counter(), Counter(), Counter()

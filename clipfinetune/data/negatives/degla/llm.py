@@ -10,23 +10,26 @@ ChatGPT examples are not released), chosen per caption by a hash so prompts vary
 `prompt_version` hashes the template and the bank: editing either re-asks everything.
 
 Backends share one interface, `run(requests, on_result)` with `on_result(request, text, error, raw)`:
-- `ServerBackend`: any OpenAI-compatible `/chat/completions` endpoint (e.g. `vllm serve`), a thread
-  pool of `concurrency` requests, per-request timeout, bounded retries with exponential backoff on
+- `ServerBackend`: any OpenAI-compatible `/chat/completions` endpoint (e.g. `vllm serve`), aiohttp with
+  `concurrency` workers taking requests lazily from one iterator (memory flat, progress/rate/ETA logged every
+  `progress_every` s), per-request timeout, bounded retries with exponential backoff on
   timeouts / connection errors / 429 / 5xx, `response_format={"type": "json_schema", ...}` (vLLM >= 0.12
   ignores the legacy `guided_json`) and an explicit `max_tokens`. A server still unreachable after the
-  retries raises `EndpointError` naming the URL; answers received so far are already in the cache.
+  retries raises `EndpointError` naming the URL; answers received so far are already in the cache. Requests
+  still failing (timeouts, 5xx) after their retries are counted in `run`'s result: the caller decides (see
+  generate.MissingAnswersError).
 - `OfflineBackend`: `vllm.LLM.chat` over chunks of requests with `SamplingParams(structured_outputs=
   StructuredOutputsParams(json=schema))` (`GuidedDecodingParams` on older vLLM); `vllm` is imported lazily.
   On vLLM's CPU build chunked prefill is turned off (seeded requests crash it there, see `_engine`).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
+import asyncio
 import functools
 import hashlib
 import json
 import logging
-import threading
+import time
 from dataclasses import dataclass
 from importlib import resources as ilr
 
@@ -106,34 +109,68 @@ def request_seed(seed: int, key: str) -> int:
     return (seed * 1_000_003 + int(key[:8], 16)) % (2**31)
 
 
+# ---------------------------------------------------------------------------------------- progress
+class Progress:
+    """Periodic log lines while a backend works: answers so far, failures, rate and ETA."""
+
+    def __init__(self, total: int | None, label: str, every: float = 30.0):
+        self.total, self.label, self.every = total, label, float(every)
+        self.done = self.failed = 0
+        self.t0 = self._last = time.monotonic()
+
+    def update(self, done: int = 0, failed: int = 0) -> None:
+        self.done += done
+        self.failed += failed
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            self.log(now)
+
+    def rate(self, now: float | None = None) -> float:
+        return (self.done + self.failed) / max((now or time.monotonic()) - self.t0, 1e-9)
+
+    def log(self, now: float | None = None) -> None:
+        rate = self.rate(now)
+        n = self.done + self.failed
+        if self.total:
+            eta = (self.total - n) / rate if rate > 0 else float("inf")
+            log.info("%s: %d/%d requests (%.1f%%), %d failed, %.1f req/s, ETA %s", self.label, n, self.total,
+                     100.0 * n / self.total, self.failed, rate, _duration(eta))
+        else:
+            log.info("%s: %d requests, %d failed, %.1f req/s", self.label, n, self.failed, rate)
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "unknown"
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
 # ---------------------------------------------------------------------------------------- server
 class _Retryable(Exception):
+    pass
+
+
+class _Unreachable(_Retryable):
     pass
 
 
 class ServerBackend:
     name = "server"
 
-    def __init__(self, base_url: str, model: str, api_key: str = "", concurrency: int = 8,
+    def __init__(self, base_url: str, model: str, api_key: str = "", concurrency: int = 256,
                  timeout: float = 60.0, max_retries: int = 4, backoff: float = 1.0, max_tokens: int = 256,
-                 temperature: float = 0.7, seed: int = 0):
+                 temperature: float = 0.7, seed: int = 0, progress_every: float = 30.0):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.api_key, self.concurrency = model, api_key, max(1, int(concurrency))
         self.timeout, self.max_retries, self.backoff = float(timeout), int(max_retries), float(backoff)
         self.max_tokens, self.temperature, self.seed = int(max_tokens), float(temperature), int(seed)
+        self.progress_every = float(progress_every)
         self.requests_sent = 0
-        self._stop = threading.Event()
-        self._local = threading.local()
 
     def prepare(self, captions) -> None:
         pass
-
-    def _session(self):
-        import requests
-
-        if not hasattr(self._local, "s"):
-            self._local.s = requests.Session()
-        return self._local.s
 
     def payload(self, req: Request) -> dict:
         return {"model": self.model, "messages": messages_for(req), "max_tokens": self.max_tokens,
@@ -142,78 +179,91 @@ class ServerBackend:
                                     "json_schema": {"name": "rewrite", "strict": True,
                                                     "schema": answer_schema()}}}
 
-    def _post_once(self, req: Request) -> str:
-        import requests
+    async def _post_once(self, session, req: Request) -> str:
+        import aiohttp
 
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self.requests_sent += 1
         try:
-            r = self._session().post(self.url, json=self.payload(req), headers=headers, timeout=self.timeout)
-        except requests.exceptions.Timeout as e:      # also ConnectTimeout: a busy server, not a dead one
+            async with session.post(self.url, data=json.dumps(self.payload(req))) as r:
+                body = await r.read()
+                status = r.status
+        except TimeoutError as e:                    # a busy server, not a dead one
             raise _Retryable(f"timeout after {self.timeout}s") from e
-        except requests.exceptions.ConnectionError as e:
-            raise _Retryable(f"connection error: {e}") from e
-        if r.status_code == 429 or r.status_code >= 500:
-            raise _Retryable(f"HTTP {r.status_code}")
-        if r.status_code >= 400:
-            raise EndpointError(f"{self.url}: HTTP {r.status_code}: {r.text[:300]}")
+        except aiohttp.ClientConnectorError as e:    # nobody listening
+            raise _Unreachable(f"connection error: {e}") from e
+        except aiohttp.ClientError as e:             # e.g. a dropped keep-alive connection
+            raise _Retryable(f"{type(e).__name__}: {e}") from e
+        if status == 429 or status >= 500:
+            raise _Retryable(f"HTTP {status}")
+        if status >= 400:
+            raise EndpointError(f"{self.url}: HTTP {status}: {body[:300].decode(errors='replace')}")
         try:
-            return r.json()["choices"][0]["message"]["content"]
+            return json.loads(body)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
             return ""   # a 200 whose body is not a chat completion: counted as an empty answer
 
-    def _ask(self, req: Request):
-        last = ""
+    async def _ask(self, session, req: Request) -> str:
         for attempt in range(self.max_retries + 1):
-            if self._stop.is_set():
-                return None
             try:
-                return self._post_once(req)
-            except _Retryable as e:
-                last = str(e)
-                if attempt < self.max_retries:
-                    self._stop.wait(self.backoff * 2 ** attempt)
-        raise _Retryable(last)
+                return await self._post_once(session, req)
+            except _Retryable:
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(self.backoff * 2 ** attempt)
+        raise AssertionError("unreachable")
 
-    def run(self, requests, on_result) -> dict:
-        """Ask every request; returns {"failed": n, "last_error": str}. Raises EndpointError when the
-        server is unreachable (connection errors after all retries) or every request failed."""
-        requests = list(requests)
-        failed, last, unreachable, answered = 0, "", None, 0
-        self._stop.clear()
-        with cf.ThreadPoolExecutor(self.concurrency) as pool:
-            futures = {pool.submit(self._ask, r): r for r in requests}
+    def run(self, requests, on_result, total: int | None = None) -> dict:
+        """Ask every request (any iterable: it is consumed lazily, `concurrency` at a time, so memory stays flat
+        however many there are); `on_result` is called as each answer arrives. Returns {"failed": n,
+        "last_error": str}: n requests got no answer after their retries. Raises EndpointError when the server
+        is unreachable (connection refused after all retries), refuses a request (HTTP 4xx) or failed every
+        request."""
+        if total is None and hasattr(requests, "__len__"):
+            total = len(requests)
+        return asyncio.run(self._run(iter(requests), on_result, total))
+
+    async def _run(self, pending, on_result, total) -> dict:
+        import aiohttp
+
+        progress = Progress(total, f"negatives[{self.name}]", self.progress_every)
+        state = {"failed": 0, "last": "", "answered": 0}
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        connector = aiohttp.TCPConnector(limit=self.concurrency, limit_per_host=self.concurrency)
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+
+        async def worker(session):
+            for req in pending:      # one shared iterator: each worker takes the next request when it is free
+                try:
+                    content = await self._ask(session, req)
+                except _Unreachable as e:
+                    raise EndpointError(f"LLM endpoint {self.url} failed after {self.max_retries} retries: {e}. "
+                                        f"Answers received so far are cached; start the server (e.g. `vllm "
+                                        f"serve {self.model} --generation-config vllm`) or set "
+                                        f"negatives.backend: rules") from e
+                except _Retryable as e:
+                    state["failed"], state["last"] = state["failed"] + 1, str(e)
+                    progress.update(failed=1)
+                    continue
+                text, err = parse_answer(content)
+                on_result(req, text, err, content)
+                state["answered"] += 1
+                progress.update(done=1)
+
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+            workers = [asyncio.create_task(worker(session)) for _ in range(self.concurrency)]
             try:
-                for fut in cf.as_completed(futures):
-                    req = futures[fut]
-                    try:
-                        content = fut.result()
-                    except _Retryable as e:
-                        failed, last = failed + 1, str(e)
-                        if "connection error" in last:
-                            unreachable = last
-                            break
-                        continue
-                    except EndpointError as e:
-                        unreachable = str(e)
-                        break
-                    if content is None:
-                        continue
-                    text, err = parse_answer(content)
-                    on_result(req, text, err, content)
-                    answered += 1
-            finally:
-                self._stop.set()
-                for f in futures:
-                    f.cancel()
-        if unreachable:
-            raise EndpointError(f"LLM endpoint {self.url} failed after {self.max_retries} retries: "
-                                f"{unreachable}. Answers received so far are cached; start the server "
-                                f"(e.g. `vllm serve {self.model} --generation-config vllm`) or set "
-                                f"negatives.backend: rules")
-        if requests and not answered:
-            raise EndpointError(f"LLM endpoint {self.url}: all {failed} requests failed ({last})")
-        return {"failed": failed, "last_error": last}
+                await asyncio.gather(*workers)
+            finally:                 # the first fatal error stops the others (their answers so far are kept)
+                for w in workers:
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+        progress.log()
+        if state["failed"] and not state["answered"]:
+            raise EndpointError(f"LLM endpoint {self.url}: all {state['failed']} requests failed after "
+                                f"{self.max_retries} retries ({state['last']})")
+        return {"failed": state["failed"], "last_error": state["last"]}
 
 
 # ---------------------------------------------------------------------------------------- offline
