@@ -65,7 +65,7 @@ def main() -> None:
     from clipfinetune.train.pretraining import PretrainMethod
     from clipfinetune.train.sources import CaptionPairSource
 
-    dist = init_distributed()
+    dist = init_distributed(params["compute.device"])
     try:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
@@ -98,6 +98,7 @@ def main() -> None:
         trainer.fit()
         if dist.is_main:
             export_model(model, out)
+            write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size})
             log.info("exported %s", out)
         params.check_all_read()
     finally:

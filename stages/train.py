@@ -76,7 +76,7 @@ def main() -> None:
     precision = params["model.precision"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    dist = init_distributed()
+    dist = init_distributed(params["compute.device"])
     try:
         cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
         method = method_cls(**config)
@@ -99,7 +99,8 @@ def main() -> None:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
             write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
                                                 "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                                                "batches_per_epoch": len(loader), **dict(loader.stats)})
+                                                "batches_per_epoch": len(loader), **dict(loader.stats),
+                                                "device": str(dist.device), "ranks": dist.world_size})
             log.info("exported models/%s", args.run)
         params.check_all_read()
     finally:
