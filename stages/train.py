@@ -8,7 +8,8 @@ method's group `train.<method>.*` (unknown keys are an error; a method may allow
 `new_module_lr`, which go to the method); `model.precision`; and the run's loss/method keys, flattened to their
 last key to construct the method: `loss.lambda_l` -> lambda_l, `ablations.<run>.lambda_l` -> lambda_l,
 `custom.terms` -> terms, `model.unlocked_vision_layers` -> unlocked_vision_layers, `sentences.max_sentences` ->
-max_sentences. `train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per
+max_sentences. `train.batch_size` is the GLOBAL batch (the papers' number): each of the N ranks takes 1/N of it,
+so steps per epoch and the schedule do not depend on the number of ranks. `train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per
 image, or the method's own unit (captions, word-region pairs), as the papers count epochs.
 
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it) carries a fingerprint of
@@ -67,7 +68,14 @@ def main() -> None:
     from clipfinetune.io import write_json
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
-    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
+    from clipfinetune.train import (
+        TrainConfig,
+        Trainer,
+        cleanup,
+        fingerprint,
+        init_distributed,
+        per_rank_batch_size,
+    )
     from clipfinetune.train.checkpoint import seed_everything
     from clipfinetune.train.config import resolve_precision
 
@@ -78,7 +86,12 @@ def main() -> None:
 
     dist = init_distributed(params["compute.device"])
     try:
-        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        global_batch = int(settings["batch_size"])         # train.batch_size: the global batch (the papers')
+        rank_batch = per_rank_batch_size(global_batch, dist.world_size)
+        log.info("global batch %d = %d rank(s) x %d per rank, on %s", global_batch, dist.world_size, rank_batch,
+                 dist.device)
+        cfg = TrainConfig(**{**settings, "batch_size": rank_batch},
+                          precision=resolve_precision(precision, dist.device, log))
         method = method_cls(**config)
         seed_everything(cfg.seed)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
@@ -100,7 +113,8 @@ def main() -> None:
             write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
                                                 "epoch_unit": loader.epoch_unit, "units": loader.num_units,
                                                 "batches_per_epoch": len(loader), **dict(loader.stats),
-                                                "device": str(dist.device), "ranks": dist.world_size})
+                                                "device": str(dist.device), "ranks": dist.world_size,
+                                                "global_batch": global_batch, "rank_batch": rank_batch})
             log.info("exported models/%s", args.run)
         params.check_all_read()
     finally:
