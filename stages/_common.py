@@ -145,7 +145,8 @@ def relaunch_as_ranks(params: StageParams) -> None:
         return
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    # "--" ends the launcher's options: its parser would take a stage's `--run` for an abbreviated `--run-path`
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--",
            sys.argv[0], *sys.argv[1:]]
     env = {**os.environ, "DVC_STAGE": params.stage}     # the ranks resolve the same stage name
     raise SystemExit(subprocess.call(cmd, env=env))

@@ -1,7 +1,7 @@
 """Stage `train@<run>`: fine-tune models/base with one method -> models/<run>/ and dvclive/train/<run>/.
 
     python stages/train.py --run <run> --method <method> [--stage train@<run>]
-    torchrun --nproc_per_node N stages/train.py --run <run> --method <method>      # multi-GPU / multi-node
+    torchrun --nproc_per_node N -- stages/train.py --run <run> --method <method>      # multi-GPU / multi-node
 
 Params (only those dvc.yaml declares for the run): the shared `train.*` defaults, overridden key by key by the
 method's group `train.<method>.*` (unknown keys are an error; a method may allow extra keys, e.g. MulCLIP's

@@ -42,7 +42,8 @@ def test_a_plain_process_relaunches_itself_as_n_ranks_and_exits_with_their_code(
     ((cmd, env),) = calls
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in cmd and "--nproc_per_node=2" in cmd
-    assert cmd[-5:] == ["stages/train.py", "--run", "clip", "--method", "clip"]     # the same script and argv
+    # the same script and argv, after "--" (else torch.distributed.run reads train.py's --run as its --run-path)
+    assert cmd[-6:] == ["--", "stages/train.py", "--run", "clip", "--method", "clip"]
     assert env["DVC_STAGE"] == "train@clip"             # every rank resolves the same stage
 
 
