@@ -63,7 +63,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="figure 4: keep the DAG's tmp copy (to run experiments in it)")
     ap.add_argument("--pairs", type=int, default=3, help="figure 1: interleaved ours/open_clip run pairs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results.json"))
+    ap.add_argument("--gpu", action="store_true", help="only the CUDA step table (benchmarks/gpu.py); without CUDA "
+                    "it says so and exits 0")
     args = ap.parse_args(argv)
+    if args.gpu:
+        from . import gpu
+        return gpu.main(log=lambda msg: print(msg, file=sys.stderr, flush=True))
     figures = {f.strip() for f in args.only.split(",") if f.strip()} | ({"4"} if args.dag else set())
     WORK.mkdir(parents=True, exist_ok=True)
 
