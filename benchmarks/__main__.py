@@ -66,10 +66,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", action="store_true",
                     help="only the COCO-sized rehearsal of the CPU data stages (benchmarks/scale.py)")
     ap.add_argument("--fraction", type=float, default=1.0, help="--scale: this fraction of COCO/DOCCI's size")
+    ap.add_argument("--gpu", action="store_true", help="only the CUDA step table (benchmarks/gpu.py); without CUDA "
+                    "it says so and exits 0")
     args = ap.parse_args(argv)
     if args.scale:
         from . import scale
         return scale.main(args.fraction)
+    if args.gpu:
+        from . import gpu
+        return gpu.main(log=lambda msg: print(msg, file=sys.stderr, flush=True))
     figures = {f.strip() for f in args.only.split(",") if f.strip()} | ({"4"} if args.dag else set())
     WORK.mkdir(parents=True, exist_ok=True)
 

@@ -120,7 +120,44 @@ def start(doc: str, default_stage=None, add_arguments=None):
     args = parser.parse_args()
     default = default_stage(args) if callable(default_stage) else default_stage
     params = stage_params(args.stage or os.environ.get("DVC_STAGE") or default)
+    relaunch_as_ranks(params)
     return args, params, setup_logging(params.stage)
+
+
+# set by torchrun (RANK, WORLD_SIZE) or SLURM's srun (SLURM_PROCID): the process is one rank already
+def launched_as_rank() -> bool:
+    """Is this process already one rank of several? torchrun sets RANK/WORLD_SIZE; srun sets SLURM_NTASKS > 1. (A
+    plain sbatch script also carries SLURM_PROCID, with one task: a `dvc repro` there must still launch its ranks.)"""
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def stage_ranks(params: StageParams) -> int:
+    """Ranks a model stage runs as, from `compute.nproc` (auto = every visible GPU when the stage uses CUDA, 1 on
+    the CPU; an integer N = N ranks, gloo ranks on the CPU). 1 for a stage that does not declare it."""
+    setting = params.get("compute.nproc", 1)
+    if setting == "auto":
+        import torch
+
+        uses_cuda = params.get("compute.device", "auto") != "cpu" and torch.cuda.is_available()
+        return max(torch.cuda.device_count(), 1) if uses_cuda else 1
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise SystemExit(f"stage {params.stage}: compute.nproc must be auto or a positive integer, got {setting!r}")
+    return setting
+
+
+def relaunch_as_ranks(params: StageParams) -> None:
+    """Re-run this stage as `stage_ranks` ranks through PyTorch's launcher (torch.distributed.run, standalone
+    rendezvous on this node), exiting with its exit code; under torchrun or srun already, join as we are."""
+    nproc = stage_ranks(params)
+    if nproc <= 1 or launched_as_rank():
+        return
+    import subprocess
+
+    # "--" ends the launcher's options: its parser would take a stage's `--run` for an abbreviated `--run-path`
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--",
+           sys.argv[0], *sys.argv[1:]]
+    env = {**os.environ, "DVC_STAGE": params.stage}     # the ranks resolve the same stage name
+    raise SystemExit(subprocess.call(cmd, env=env))
 
 
 def source_specs(params: StageParams, names) -> dict[str, dict]:

@@ -66,7 +66,7 @@ def main() -> None:
     from clipfinetune.train.pretraining import PretrainMethod
     from clipfinetune.train.sources import CaptionPairSource
 
-    dist = init_distributed()
+    dist = init_distributed(params["compute.device"])
     try:
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
@@ -100,6 +100,7 @@ def main() -> None:
         trainer.fit()
         if dist.is_main:
             export_model(model, out)
+            write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size})
             log.info("exported %s", out)
             if not settings["keep_checkpoint"]:
                 remove_checkpoints(ROOT / "checkpoints" / "pretrain")

@@ -1,14 +1,16 @@
 """Stage `train@<run>`: fine-tune models/base with one method -> models/<run>/ and dvclive/train/<run>/.
 
     python stages/train.py --run <run> --method <method> [--stage train@<run>]
-    torchrun --nproc_per_node N stages/train.py --run <run> --method <method>      # multi-GPU / multi-node
+    torchrun --nproc_per_node N -- stages/train.py --run <run> --method <method>      # multi-GPU / multi-node
 
 Params (only those dvc.yaml declares for the run): the shared `train.*` defaults, overridden key by key by the
 method's group `train.<method>.*` (unknown keys are an error; a method may allow extra keys, e.g. MulCLIP's
 `new_module_lr`, which go to the method); `model.precision`; and the run's own group `runs.<run>`, declared whole:
 its `method` and the method's constructor arguments (loss weights, `terms`, `unlocked_vision_layers`, ...).
-`train.epoch_unit` (image | method) sets what an epoch iterates (`data/loader.py`): one example per image, or the
-method's own unit (captions, word-region pairs), as the papers count epochs.
+`train.batch_size` is the GLOBAL batch (the papers' number): each of the N ranks takes 1/N of it, so steps per epoch
+and the schedule do not depend on the number of ranks. `train.epoch_unit` (image | method) sets what an epoch
+iterates (`data/loader.py`): one example per image, or the method's own unit (captions, word-region pairs), as the
+papers count epochs.
 
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it; removed once the model is
 exported unless `train.keep_checkpoint`) carries a fingerprint of
@@ -55,7 +57,7 @@ def main() -> None:
     from clipfinetune.io import write_json
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
-    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
+    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed, per_rank_batch_size
     from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
 
@@ -64,9 +66,14 @@ def main() -> None:
     precision = params["model.precision"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    dist = init_distributed()
+    dist = init_distributed(params["compute.device"])
     try:
-        cfg = TrainConfig(**settings, precision=resolve_precision(precision, dist.device, log))
+        global_batch = int(settings["batch_size"])         # train.batch_size: the global batch (the papers')
+        rank_batch = per_rank_batch_size(global_batch, dist.world_size)
+        log.info("global batch %d = %d rank(s) x %d per rank, on %s", global_batch, dist.world_size, rank_batch,
+                 dist.device)
+        cfg = TrainConfig(**{**settings, "batch_size": rank_batch},
+                          precision=resolve_precision(precision, dist.device, log))
         method = method_cls(**config)
         seed_everything(cfg.seed)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
@@ -89,7 +96,9 @@ def main() -> None:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
             write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
                                                 "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                                                "batches_per_epoch": len(loader), **dict(loader.stats)})
+                                                "batches_per_epoch": len(loader), **dict(loader.stats),
+                                                "device": str(dist.device), "ranks": dist.world_size,
+                                                "global_batch": global_batch, "rank_batch": rank_batch})
             log.info("exported models/%s", args.run)
             if not params["train.keep_checkpoint"]:
                 remove_checkpoints(checkpoint_dir)

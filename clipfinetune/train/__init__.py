@@ -4,9 +4,10 @@
     module = trainer.fit()          # resumes from checkpoint_dir/last.pt when its fingerprint matches
 """
 from .checkpoint import CheckpointError, fingerprint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, merge_train_settings
+from .config import TrainConfig, merge_train_settings, per_rank_batch_size
 from .distributed import DistInfo, cleanup, init_distributed
 from .loop import BatchSource, NonFiniteLossError, Trainer
 
 __all__ = ["BatchSource", "CheckpointError", "DistInfo", "NonFiniteLossError", "TrainConfig", "Trainer", "cleanup",
-           "fingerprint", "init_distributed", "load_checkpoint", "merge_train_settings", "save_checkpoint"]
+           "fingerprint", "init_distributed", "load_checkpoint", "merge_train_settings", "per_rank_batch_size",
+           "save_checkpoint"]

@@ -2,7 +2,8 @@
 
 `batch_size` is the per-rank batch of ONE optimiser step. With `accum_steps = k` the loader yields micro-batches
 of `batch_size / k` and the loop accumulates k of them (open_clip's feature cache, see `loop.py`), so `k` is a
-memory knob that leaves the optimisation unchanged; the global batch is `batch_size * world_size`.
+memory knob that leaves the optimisation unchanged; the global batch is `batch_size * world_size`. The `train`
+stage's param `train.batch_size` is the GLOBAL batch (the papers' number): `per_rank_batch_size` splits it.
 """
 from __future__ import annotations
 
@@ -56,6 +57,17 @@ class TrainConfig:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def per_rank_batch_size(global_batch: int, world_size: int) -> int:
+    """Each rank's share of the global batch, so that steps per epoch and the schedule do not depend on the
+    number of ranks; an error naming both numbers when it does not divide."""
+    if global_batch < 1 or world_size < 1:
+        raise ValueError(f"global batch {global_batch} and world size {world_size} must be >= 1")
+    if global_batch % world_size:
+        raise ValueError(f"train.batch_size {global_batch} (the global batch) is not divisible by the {world_size} "
+                         f"ranks: choose a multiple of {world_size} or another compute.nproc")
+    return global_batch // world_size
 
 
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"precision"}

@@ -46,15 +46,33 @@ def world_info_from_env() -> tuple[int, int, int]:
     return local_rank, rank, world_size
 
 
-def init_distributed(device: str | None = None) -> DistInfo:
-    """Pick the device (CUDA when present unless `device` says otherwise) and join the process group."""
+DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+
+
+def resolve_device(setting: str | None = "auto") -> torch.device:
+    """The one device rule of every model stage: "auto" (or None) = cuda:LOCAL_RANK when CUDA is available, else
+    the CPU; "cpu"; "cuda" = cuda:LOCAL_RANK, an error when CUDA is absent."""
+    setting = "auto" if setting is None else setting
+    if setting not in DEVICE_SETTINGS:
+        raise ValueError(f"compute.device must be one of {', '.join(DEVICE_SETTINGS)}, got {setting!r}")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("compute.device is 'cuda' but torch reports no CUDA device "
+                           "(set compute.device: auto or cpu, or install a CUDA build of torch)")
+    local_rank, _, _ = world_info_from_env()
+    return torch.device(f"cuda:{local_rank}")
+
+
+def init_distributed(device: str | None = "auto") -> DistInfo:
+    """The device by `resolve_device(device)`, and the process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on
+    the CPU)."""
     local_rank, rank, world_size = world_info_from_env()
-    use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
-    dev = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
+    dev = resolve_device(device)
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", init_method="env://",
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", init_method="env://",
                                 rank=rank, world_size=world_size)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
 

@@ -1,0 +1,75 @@
+"""The one device rule (clipfinetune.train.distributed.resolve_device / init_distributed) and the ranks param that
+stages/_common.py start() reads (issue 32). CUDA is mocked: torch reports it present, set_device records."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipfinetune.train import distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def cuda_present(monkeypatch):
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: set_to.append(torch.device(device)))
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "MPI_LOCALRANKID",
+                 "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    return set_to
+
+
+def test_auto_and_cuda_take_cuda_local_rank_when_cuda_is_present(cuda_present):
+    assert distributed.resolve_device("auto") == torch.device("cuda", 3)
+    assert distributed.resolve_device(None) == torch.device("cuda", 3)
+    assert distributed.resolve_device("cuda") == torch.device("cuda", 3)
+    assert distributed.resolve_device("cpu") == torch.device("cpu")
+    info = distributed.init_distributed("auto")
+    assert (info.device, info.local_rank, info.world_size) == (torch.device("cuda", 3), 3, 1)
+    assert cuda_present == [torch.device("cuda", 3)]
+
+
+def test_without_cuda_auto_is_cpu_and_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.resolve_device("auto") == torch.device("cpu")
+    assert distributed.init_distributed().device == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        distributed.resolve_device("cuda")
+    with pytest.raises(ValueError, match="auto, cpu, cuda"):
+        distributed.resolve_device("gpu")
+
+
+def _params(values: dict):
+    sys.path.insert(0, str(ROOT / "stages"))
+    from _common import StageParams
+
+    return StageParams("train@clip", values)
+
+
+def test_ranks_param(cuda_present, monkeypatch):
+    sys.path.insert(0, str(ROOT / "stages"))
+    from _common import stage_ranks
+
+    assert stage_ranks(_params({"compute": {"device": "auto", "nproc": "auto"}})) == 4     # every visible GPU
+    assert stage_ranks(_params({"compute": {"device": "cpu", "nproc": "auto"}})) == 1      # CPU: one rank
+    assert stage_ranks(_params({"compute": {"device": "cpu", "nproc": 2}})) == 2           # 2 gloo ranks
+    assert stage_ranks(_params({"model": {"precision": "fp32"}})) == 1                      # not a model stage
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert stage_ranks(_params({"compute": {"device": "auto", "nproc": "auto"}})) == 1
+    with pytest.raises(SystemExit, match="positive integer"):
+        stage_ranks(_params({"compute": {"device": "auto", "nproc": 0}}))
+
+
+@pytest.mark.parametrize("stage_file", ["train.py", "pretrain.py"])
+def test_training_stages_pass_compute_device_to_the_rule(stage_file):
+    """pretrain and train hand `compute.device` to init_distributed and record the device they used."""
+    text = (ROOT / "stages" / stage_file).read_text()
+    assert 'init_distributed(params["compute.device"])' in text
+    assert '"device": str(dist.device)' in text
