@@ -57,7 +57,14 @@ def main() -> None:
     from clipfinetune.io import write_json
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
-    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed, per_rank_batch_size
+    from clipfinetune.train import (
+        TrainConfig,
+        Trainer,
+        cleanup,
+        fingerprint,
+        init_distributed,
+        per_rank_batch_size,
+    )
     from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
 
