@@ -1,6 +1,6 @@
 """What the item stages (segments, lism, eval) share: their device and ranks, and their per-rank part files.
 
-`compute.device` (auto | cpu | cuda) goes through the one device rule (`clipfinetune.train.distributed`): under
+`compute.device` (auto | cpu | cuda) goes through the one device rule (`clipfinetune.distributed`): under
 torchrun each rank takes `cuda:LOCAL_RANK` when CUDA is used, else the CPU. The items are split into fixed work
 units across the ranks; parts live under data/cache/<stage>/<fingerprint>/ (`clipfinetune.parts`), outside DVC's
 outputs, so a killed run resumes from them; rank 0 merges them and writes the outputs.
@@ -19,7 +19,7 @@ CACHE_ROOT = "data/cache"        # relative to the working directory (the projec
 
 def setup_device(params):
     """DistInfo (rank, world_size, local_rank, device) from `compute.device` and torchrun's environment."""
-    from clipfinetune.train.distributed import init_distributed
+    from clipfinetune.distributed import init_distributed
 
     setting = params.get("compute.device", "auto")
     if setting not in ("auto", "cpu", "cuda"):
@@ -44,12 +44,12 @@ def part_store(params, settings: dict, device, codec: str = "json") -> parts.Par
 
 def run_sharded(store, units, ids_of, compute, dist, log, what: str, stream: bool = False):
     """`clipfinetune.parts.run_sharded` with the process group's barrier; rank 0 gets every unit's result."""
-    from clipfinetune.train.distributed import barrier
+    from clipfinetune.distributed import barrier
 
     return parts.run_sharded(store, units, ids_of, compute, dist.rank, dist.world_size, barrier, log, what, stream)
 
 
 def finish(dist) -> None:
-    from clipfinetune.train.distributed import cleanup
+    from clipfinetune.distributed import cleanup
 
     cleanup()

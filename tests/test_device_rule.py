@@ -1,4 +1,4 @@
-"""The one device rule (clipfinetune.train.distributed.resolve_device / init_distributed) and the ranks param that
+"""The one device rule (clipfinetune.distributed.resolve_device / init_distributed) and the ranks param that
 stages/_common.py start() reads (issue 32). CUDA is mocked: torch reports it present, set_device records."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clipfinetune.train import distributed
+from clipfinetune import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

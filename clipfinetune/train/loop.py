@@ -39,9 +39,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from clipfinetune.distributed import DistInfo, all_gather_objects, all_reduce_mean, current, wrap_ddp
+
 from . import checkpoint as ckpt_io
 from .config import TrainConfig, autocast, grad_scaler
-from .distributed import DistInfo, all_gather_objects, all_reduce_mean, current, wrap_ddp
 from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler, parameter_groups
 

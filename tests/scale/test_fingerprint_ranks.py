@@ -9,8 +9,8 @@ import os
 import torch.distributed as td
 import torch.multiprocessing as mp
 
+from clipfinetune.distributed import DistInfo
 from clipfinetune.train.checkpoint import CheckpointError, check_ranks_agree, fingerprint
-from clipfinetune.train.distributed import DistInfo
 
 
 def _rank(rank: int, init: str, out: str, differ: bool) -> None:

@@ -1,4 +1,6 @@
-"""Device and DDP set-up from torchrun's environment (open_clip's `distributed.py`, without horovod).
+"""Device and DDP set-up from torchrun's environment (open_clip's `distributed.py`, without horovod): the one device
+rule of every model stage (training, and the item stages segments / lism / eval, which import this module alone, so
+an edit of the training loop does not re-run them).
 
 `torchrun --nproc_per_node N stages/train.py ...` sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT;
 a plain `python` run is rank 0 of 1. Backend: nccl on CUDA, gloo on CPU. On CUDA each process takes
