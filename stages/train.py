@@ -86,7 +86,8 @@ def main() -> None:
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
         transform = model.train_transform() if cfg.train_transform == "random_resized_crop" else model.transform
         ctx = ExampleContext(transform, model.tokenize, model.image_size, token_span=model.token_span,
-                             tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT))
+                             tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT),
+                             random_geometry=cfg.train_transform == "random_resized_crop")
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
                              epoch_samples=cfg.epoch_samples)

@@ -132,6 +132,16 @@ def test_a_corrupt_image_is_a_counted_skip(tmp_path):
     assert loader.stats["corrupt_images_skipped"] >= 1
 
 
+def test_boxes_are_refused_under_a_random_crop_transform():
+    """random_resized_crop moves the pixels at random, so no box follows them: a box-reading method must say so, not
+    train on boxes that point elsewhere (stages/train.py sets random_geometry from train_transform)."""
+    ctx = ExampleContext(lambda im: im.size, tokenize=None, image_size=64, random_geometry=True)
+    with pytest.raises(ValueError, match="squash"):
+        ctx.resize_boxes([[0, 0, 10, 10]], (32, 32))
+    plain = ExampleContext(lambda im: im.size, tokenize=None, image_size=64)
+    assert plain.resize_boxes([[0, 0, 16, 16]], (32, 32)).tolist() == [[0.0, 0.0, 32.0, 32.0]]
+
+
 def test_resize_boxes_and_crop():
     ctx = ExampleContext(lambda im: im.size, tokenize=None, image_size=64)
     boxes = ctx.resize_boxes([[10, 20, 50, 40]], (200, 100))

@@ -76,9 +76,11 @@ class ExampleContext:
     """What `Method.make_example` may use, built once from the model (DEVELOPERS.md)."""
 
     def __init__(self, transform: Callable, tokenize: Callable, image_size: int | tuple[int, int],
-                 tokenize_long: Callable | None = None, token_span: Callable | None = None):
+                 tokenize_long: Callable | None = None, token_span: Callable | None = None,
+                 random_geometry: bool = False):
         self.transform, self.tokenize, self.image_size = transform, tokenize, image_size
         self._tokenize_long, self._token_span = tokenize_long, token_span
+        self.random_geometry = random_geometry      # `transform` crops at random: no box can follow its pixels
 
     def tokenize_long(self, texts):
         if self._tokenize_long is None:
@@ -87,6 +89,9 @@ class ExampleContext:
 
     def resize_boxes(self, boxes, orig_wh: tuple[int, int]) -> torch.Tensor:
         """xyxy boxes in original pixels -> pixels of the squash-resized model input (boxes.py)."""
+        if self.random_geometry:
+            raise ValueError("this method reads boxes, which cannot follow a random crop of the image: train it with "
+                             "train_transform: squash (random_resized_crop is for image-text methods only)")
         t = torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4)
         return boxlib.resize_boxes(t, orig_wh, self.image_size)
 
