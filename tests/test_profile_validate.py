@@ -35,7 +35,8 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     mulclip = merged["train"]["mulclip"]                                   # MulCLIP §4.1 "Training setting"
     assert (mulclip["epochs"], mulclip["wd"], mulclip["warmup"], mulclip["lr"]) == (8, 0.05, 200, 1e-5)
     assert mulclip["new_module_lr"] == 2e-4 and merged["train"]["lr"] == 5e-6    # the base's shared value stays
-    assert merged["eval"]["benchmarks"]["retrieval"]["real"]["karpathy"].endswith("dataset_coco.json")
+    coco = merged["eval"]["benchmarks"]["retrieval"]["real"]                  # MulCLIP §4.1: COCO2017 val
+    assert coco["coco_captions"].endswith("captions_val2017.json") and coco["karpathy"] == ""
     assert merged["eval"]["benchmarks"]["long_retrieval"]["real"]["splits"] == ["test", "qual_test"]
     assert merged["eval"]["benchmarks"]["box_cls"]["real"] == {}            # a recipe turns a set off
     assert merged["eval"]["benchmarks"]["retrieval"]["sample"]             # the sample sets are kept

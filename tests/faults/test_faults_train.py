@@ -24,6 +24,7 @@ LAST = "checkpoints/clip/last.pt"
 def test_sigkilled_training_resumes_to_the_same_weights(tiny_project, tmp_path):
     straight = tiny_project.clone(tmp_path / "straight", TRAIN_INPUTS)
     killed = tiny_project.clone(tmp_path / "killed", TRAIN_INPUTS)
+    straight.set_params(train={"keep_checkpoint": True})   # its last step count; not in the fingerprint or weights
     run_stage(straight.root, "train@clip")
     rng = random.Random("train-kill")
     proc = start_stage(killed.root, "train@clip")
@@ -85,6 +86,7 @@ def test_checkpoint_with_a_pickle_payload_is_refused(tiny_project, tmp_path, inp
 
 def test_truncated_checkpoint_and_weights_name_the_file(tiny_project, tmp_path, inprocess):
     proj = tiny_project.clone(tmp_path / "p", TRAIN_INPUTS)
+    proj.set_params(train={"keep_checkpoint": True})       # an exported run removes its checkpoint otherwise
     run_stage(proj.root, "train@clip")
     data = (proj / LAST).read_bytes()
     (proj / LAST).write_bytes(data[: len(data) // 2])
