@@ -83,6 +83,14 @@ class ImageResolver:
         return found
 
 
+
+def text_batches(tokens: torch.Tensor, batch_size: int) -> list[list[int]]:
+    """Row indices of `tokens` in batches of similar token counts: the text trunk runs each batch at its longest text
+    (exact under the causal mask), so mixed lengths spend most of their work on padding. The one batching rule of the
+    encoder and of the sharded plan (eval/sharded.py), which must compute the very same batches."""
+    order = torch.argsort((tokens != PAD_ID).sum(1), stable=True).tolist()
+    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+
 class Encoder:
     """Normalised embeddings of images, texts and boxes, batched under inference_mode."""
 
@@ -130,12 +138,8 @@ class Encoder:
         texts = [str(t) for t in texts]
         todo = list(dict.fromkeys(t for t in texts if t not in self._texts))
         if todo:
-            # batches of similar token counts: the text trunk runs each batch at its longest text (exact under the
-            # causal mask), so mixed lengths spend most of their work on padding
             tokens = self.model.tokenize(todo)
-            order = torch.argsort((tokens != PAD_ID).sum(1), stable=True).tolist()
-            for s in range(0, len(order), self.batch_size):
-                rows = order[s:s + self.batch_size]
+            for rows in text_batches(tokens, self.batch_size):
                 emb = self.model.encode_text(tokens[rows].to(self._device()), normalize=True)
                 self._texts.update(zip((todo[i] for i in rows), F.normalize(emb.float(), dim=-1).cpu()))
         return torch.stack([self._texts[t] for t in texts]) if texts else torch.zeros(0, 0)

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from clipfinetune.eval.encode import Encoder, load_image, regions_key
-from clipfinetune.models.clip_model import PAD_ID
+from clipfinetune.eval.encode import Encoder, load_image, regions_key, text_batches
 
 
 def _placeholder(key, dim: int) -> torch.Tensor:
@@ -55,10 +54,8 @@ class RecordingEncoder(Encoder):
         texts = [str(t) for t in texts]
         todo = list(dict.fromkeys(t for t in texts if t not in self._texts))
         if todo:
-            tokens = self.model.tokenize(todo)
-            order = torch.argsort((tokens != PAD_ID).sum(1), stable=True).tolist()
-            for s in range(0, len(order), self.batch_size):
-                chunk = [todo[i] for i in order[s:s + self.batch_size]]
+            for rows in text_batches(self.model.tokenize(todo), self.batch_size):
+                chunk = [todo[i] for i in rows]
                 self.plan.append({"kind": "texts", "model": self.tag, "texts": chunk})
                 self._texts.update((t, _placeholder(t, self.dim)) for t in chunk)
         return torch.stack([self._texts[t] for t in texts]) if texts else torch.zeros(0, 0)
