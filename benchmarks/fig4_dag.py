@@ -37,7 +37,8 @@ GOAL_MIN = sum(BUDGET.values()) / 60
 
 
 def group(stage: str) -> str:
-    return stage.split("@")[0] + "@*" if "@" in stage else stage
+    name = stage.split("@")[0]            # a data stage runs once per source: word_regions@coco -> word_regions
+    return name + "@*" if name in ("train", "eval") else name
 
 
 def stage_times(starts: list[tuple[str, float]], end: float) -> dict[str, float]:

@@ -8,10 +8,12 @@ A stage's import closure: every `import` / `from ... import` statement (at any d
 each package's `__init__.py` (importing a submodule runs it) and the data files a module reads (RESOURCES). The
 code deps of dvc.yaml are the entries under `stages/` and `clipfinetune/`; data deps are never touched.
 
-Runtime imports by name are not statements: `methods.get_method(name)` loads `clipfinetune/methods/<name>.py`. The
-`train` foreach depends on the folders `clipfinetune/methods` and `clipfinetune/losses` as a whole (RUNTIME_DIRS):
-`custom` mixes every method's terms at run time, and a foreach cannot give one run a list of files of its own.
-tests/test_stage_deps.py checks dvc.yaml against this module both ways.
+Runtime imports by name are not statements: `methods.get_method(name)` loads `clipfinetune/methods/<name>.py`. A
+foreach cannot give one run a list of files of its own, so a method's code reaches its runs through one file: stage
+`method_code` (its deps: every method's files, RUNTIME_DIRS) writes data/code/<method>.json, the content digest of
+that method's closure (`method_closure`: its module and what it imports; `custom`, the mix, loads every method), and
+train@<run> depends on data/code/<its method>.json: an edited loss re-trains that method's runs (and the mix's), no
+other. tests/test_stage_deps.py checks dvc.yaml against this module both ways.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ RESOURCES = {
 # by any stage that imports the module on the left (`readers.reader(name)` for a source's reader) ...
 RUNTIME = {"clipfinetune/data/readers/__init__.py": ["clipfinetune/data/readers"]}
 # ... and by the stage on the left (train@<run>: `methods.get_method(name)`; `custom` loads every method)
-RUNTIME_DIRS = {"train": ["clipfinetune/methods", "clipfinetune/losses"]}
+RUNTIME_DIRS = {"method_code": ["clipfinetune/methods", "clipfinetune/losses"]}
 
 
 def _module_file(dotted: str) -> Path | None:
@@ -111,6 +113,17 @@ def closure(script: str | Path) -> list[str]:
         if module in rel:
             rel |= set(files)
     return sorted(rel)
+
+
+def method_closure(method: str) -> list[str]:
+    """The files a method's runs execute beyond the train stage's own closure: its module's import closure; the mix
+    (`registry.MIX`) loads every paper method by name at run time, so it has all of theirs."""
+    from clipfinetune.registry import METHODS, MIX
+
+    files = set(closure(f"{PACKAGE}/methods/{method}.py"))
+    for other in METHODS if method == MIX else ():
+        files |= set(closure(f"{PACKAGE}/methods/{other}.py"))
+    return sorted(files)
 
 
 def _is_code(dep: str) -> bool:

@@ -195,6 +195,11 @@ def _benchmark_paths(task: str, name: str, cfg, prefix: str):
     yield prefix, cfg, kind
 
 
+def _runs_stage(params: dict):
+    """Does dvc.yaml run this data stage under `params`? (`foreach: ${<stage>.sources}`: [] leaves it out.)"""
+    return lambda stage: bool(_get(params, f"{stage}.sources"))
+
+
 def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None,
           leakage_check: bool = True) -> list[Finding]:
     root = Path(root)
@@ -202,21 +207,23 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     found: list[Finding] = []
     found += check_weights("model", str(_get(params, "model.name") or ""), str(_get(params, "model.pretrained") or ""),
                            root, produced)
-    found += check_lism_model(str(_get(params, "lism.model") or ""), str(_get(params, "lism.pretrained") or ""),
-                              root, produced)
-    for key, kind in PATH_PARAMS + source_path_params(params):
+    runs = _runs_stage(params)
+    if runs("lism"):
+        found += check_lism_model(str(_get(params, "lism.model") or ""), str(_get(params, "lism.pretrained") or ""),
+                                  root, produced)
+    for key, kind in (PATH_PARAMS if runs("lism") else []) + source_path_params(params):
         found += check_path(key, _get(params, key), kind, root, produced)
 
-    sam = _get(params, "segments.sam_checkpoint")
+    sam = _get(params, "segments.sam_checkpoint") if runs("segments") else None
     if sam:
         found += check_path("segments.sam_checkpoint", sam, "file", root, produced)
         if importlib.util.find_spec("segment_anything") is None:
             found.append(Finding("segments.sam_checkpoint", "package segment_anything is not installed "
                                  "(pip install git+https://github.com/facebookresearch/segment-anything)"))
-    else:
+    elif runs("segments"):
         found.append(Finding("segments.sam_checkpoint", "empty: the CPU segmenter (scikit-image) is used", False))
 
-    backend = _get(params, "negatives.backend")
+    backend = _get(params, "negatives.backend") if runs("negatives") else "rules"
     if backend == "server":
         found += check_endpoint(str(_get(params, "negatives.base_url")), str(_get(params, "negatives.model")), timeout)
     elif backend == "offline" and importlib.util.find_spec("vllm") is None:

@@ -124,6 +124,19 @@ def start(doc: str, default_stage=None, add_arguments=None):
     return args, params, setup_logging(params.stage)
 
 
+def start_preparing(doc: str, stage: str):
+    """`start` for a data stage that prepares one source's table: dvc.yaml runs it once per entry of its params
+    `<stage>.sources` (`foreach`, stage `<stage>@<source>`), so `[]` leaves it out of the DAG when no run of the
+    configuration reads its table. Returns (the source's name, params, logger)."""
+    args, params, log = start(doc, lambda a: f"{stage}@{a.source}", lambda p: p.add_argument(
+        "--source", help=f"the source this run of `{stage}` prepares (one entry of {stage}.sources)"))
+    listed = list(params[f"{stage}.sources"])
+    if len(listed) != 1 or args.source not in (None, listed[0]):
+        raise SystemExit(f"stage {params.stage}: {stage}.sources is {listed}: the stage writes one table, so it "
+                         f"prepares one source; list exactly one, or [] to leave the stage out")
+    return listed[0], params, log
+
+
 # set by torchrun (RANK, WORLD_SIZE) or SLURM's srun (SLURM_PROCID): the process is one rank already
 def launched_as_rank() -> bool:
     """Is this process already one rank of several? torchrun sets RANK/WORLD_SIZE; srun sets SLURM_NTASKS > 1. (A

@@ -1,4 +1,4 @@
-"""Stage `benchmarks`: every file the configured evaluation sets read -> data/prepared/benchmarks.json
+"""Stage `benchmarks`: every file the configured evaluation sets read -> data/benchmarks.json
 ({"<task>.<set>": {file: [size, BLAKE2b]}}, `clipfinetune.eval.suite.benchmark_manifest`).
 
 DVC cannot take a profile's benchmark files as deps (they are nested under `eval.benchmarks` and differ per profile),
@@ -18,7 +18,7 @@ from clipfinetune.eval.suite import benchmark_manifest
 from clipfinetune.io import write_json
 from clipfinetune.leakage import DIGEST_CACHE
 
-OUT = "data/prepared/benchmarks.json"
+OUT = "data/benchmarks.json"
 
 
 def main() -> None:

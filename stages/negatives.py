@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import StageParams, source_specs, start
+from _common import StageParams, source_specs, start_preparing
 
 OUT = Path("data/prepared/negatives.parquet")
 META = Path("data/prepared/negatives.meta.json")
@@ -62,7 +62,7 @@ def run(p: StageParams, log) -> dict:
     from clipfinetune.data.readers import read_source, source_paths
     from clipfinetune.io import write_json, write_parquet
 
-    name = p["negatives.source"]
+    (name,) = p["negatives.sources"]                 # one source (start_preparing checked it)
     spec = source_specs(p, name)[name]
     per_caption = int(p["negatives.per_caption"])
     cache_dir = Path(p["negatives.cache_dir"])
@@ -102,7 +102,7 @@ def run(p: StageParams, log) -> dict:
 
 
 def main() -> None:
-    _, params, log = start(__doc__, "negatives")
+    _, params, log = start_preparing(__doc__, "negatives")
     run(params, log)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import source_specs, start
+from _common import source_specs, start_preparing
 
 from clipfinetune.data.prepare.sentences import split_sentences
 from clipfinetune.data.readers import read_source, source_paths
@@ -15,8 +15,8 @@ OUT = Path("data/prepared/sentences.parquet")
 
 
 def main() -> None:
-    _, params, log = start(__doc__, "sentences")
-    specs = source_specs(params, params["sentences.sources"])
+    name, params, log = start_preparing(__doc__, "sentences")
+    specs = source_specs(params, name)
     records = [r for name, spec in specs.items() for r in read_source(name, spec)]   # every split
     frame, meta = split_sentences(records, max_sentences=params["sentences.max_sentences"],
                                   splitter=params["sentences.splitter"])

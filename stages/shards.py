@@ -33,8 +33,8 @@ def main() -> None:
                                            leakage.DIGEST_CACHE)
     log.info("leakage check: %s; not compared (unreadable): %s", cost, unreadable or "none")
     leakage.refuse(overlaps)
-    prepared_from = {"word_regions": params["word_regions.source"], "negatives": params["negatives.source"],
-                     "local_pairs": params["lism.source"], "sentences": params["sentences.sources"]}
+    prepared_from = {"word_regions": params["word_regions.sources"], "negatives": params["negatives.sources"],
+                     "local_pairs": params["lism.sources"], "sentences": params["sentences.sources"]}
     meta = build_shards(OUT, prepared_dir=PREPARED, sources=sources, prepared_from=prepared_from,
                         splits=params["shards.splits"], maxcount=params["shards.maxcount"],
                         val_fraction=params["shards.val_fraction"], read=(records, read_counts))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import source_specs, start
+from _common import source_specs, start_preparing
 
 from clipfinetune.data.prepare.word_regions import build_word_regions
 from clipfinetune.data.readers.coco import load_json
@@ -15,11 +15,10 @@ OUT = Path("data/prepared/word_regions.parquet")
 
 
 def main() -> None:
-    _, params, log = start(__doc__, "word_regions")
-    name = params["word_regions.source"]
+    name, params, log = start_preparing(__doc__, "word_regions")
     spec = source_specs(params, name)[name]
     if spec.get("reader") != "coco" or not spec.get("instances"):
-        raise SystemExit(f"word_regions.source: {name!r} must be a COCO source with `instances` (got {spec})")
+        raise SystemExit(f"word_regions.sources: {name!r} must be a COCO source with `instances` (got {spec})")
     instances_path, captions_path = spec["instances"], spec["captions"]
     frame, meta = build_word_regions(load_json(instances_path), load_json(captions_path),
                                      lemmatizer=params["word_regions.lemmatizer"],

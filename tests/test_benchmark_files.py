@@ -1,5 +1,5 @@
 """Eval stages depend on the benchmark files they read: `clipfinetune.eval.suite.benchmark_files` lists them by each
-benchmark's own reader, stage `benchmarks` writes their sizes and digests to data/prepared/benchmarks.json, and every
+benchmark's own reader, stage `benchmarks` writes their sizes and digests to data/benchmarks.json, and every
 eval@<model> depends on that file. Unit tests on the evaluation test world; one DVC run on the tiny sample world
 (marker `dag`) edits a configured benchmark file in place and checks which stages re-run.
 """
@@ -167,7 +167,7 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     (ext / "dataset_coco.json").write_text(json.dumps(data))
     run(repo, "dvc", "repro", "--single-item", "benchmarks")
     status = json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout)
-    assert status == {"eval_base": [{"changed deps": {"data/prepared/benchmarks.json": "modified"}}]}
+    assert status == {"eval_base": [{"changed deps": {"data/benchmarks.json": "modified"}}]}
     dry = RAN.findall(run(repo, "dvc", "repro", "--dry", "eval_base").stdout)
     assert dry == ["benchmarks", "eval_base"]
     assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]

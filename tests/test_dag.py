@@ -64,6 +64,14 @@ def dag(tmp_path_factory):
     llm.write_text(llm.read_text() + "# edited\n")
     rec["status_llm_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", str(llm.relative_to(repo)))
+    loss = repo / "clipfinetune" / "losses" / "degla.py"                   # one method's loss file
+    loss.write_text(loss.read_text() + "# edited\n")
+    rec["status_loss_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    rec["loss_edit_ran"] = RAN.findall(_run(repo, "dvc", "repro", "method_code").stdout)
+    rec["status_loss_edit_digests"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "git", "checkout", "--", str(loss.relative_to(repo)))
+    _run(repo, "dvc", "repro", "method_code")                              # the baseline's digests again
+    rec["status_loss_restored"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     write_params(repo, {"train": {"seed": 7}})
     rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
@@ -133,7 +141,16 @@ def test_changing_lambda_l_marks_exactly_train_fsc_clip_and_report(dag):
 
 def test_editing_a_module_marks_only_the_stages_that_import_it(dag):
     """Code deps are import closures (clipfinetune/deps.py): DeGLA's LLM client is `negatives`' alone."""
-    assert list(_changed(dag["status_llm_edit"])) == ["negatives"]
+    assert list(_changed(dag["status_llm_edit"])) == ["negatives@coco"]
+
+
+def test_editing_one_methods_loss_marks_only_its_runs(dag):
+    """A method's code reaches train@<run> as data/code/<method>.json (stage method_code): editing DeGLA's loss file
+    changes DeGLA's digest and the mix's (custom mixes every method), so only their runs are stale."""
+    assert list(_changed(dag["status_loss_edit"])) == ["method_code"]
+    assert dag["loss_edit_ran"] == ["method_code"]
+    assert set(_changed(dag["status_loss_edit_digests"])) == {"train@degla", "train@degla_no_distill", "train@custom"}
+    assert _changed(dag["status_loss_restored"]) == {}
 
 
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):

@@ -67,7 +67,7 @@ def test_segments_puts_sam_on_cuda_local_rank_and_records_it(monkeypatch, cuda_r
     monkeypatch.setattr(stage, "sam_masks_fn", lambda sam, **kw: felzenszwalb_masks)
     _run(monkeypatch, "segments", "segments", {
         "sources": cuda_rank_1, "segments": {
-            "source": "docci", "sam_checkpoint": "sam.pth", "sam_type": "vit_b", "points_per_side": 8,
+            "sources": ["docci"], "sam_checkpoint": "sam.pth", "sam_type": "vit_b", "points_per_side": 8,
             "pred_iou_thresh": 0.5, "stability_score_thresh": 0.5, "min_area": 0.01, "max_area": 0.8}})
     assert asked == ["cuda:1"]
     assert json.loads(Path("data/prepared/segments.meta.json").read_text())["device"] == "cuda:1"
@@ -84,7 +84,7 @@ def test_lism_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda
     pd.DataFrame([{"image_id": ex, "segment_id": 0, "x0": 10.0, "y0": 8.0, "x1": 30.0, "y1": 24.0, "area_frac": 0.1}
                   for ex in ids]).to_parquet("segments.parquet")
     _run(monkeypatch, "lism", "lism", {
-        "sources": cuda_rank_1, "lism": {"model": "matcher", "pretrained": "", "source": "docci",
+        "sources": cuda_rank_1, "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"],
                                          "sentences": "sentences.parquet", "segments": "segments.parquet",
                                          "ground_truth": "", "batch_size": 8}})
     assert [str(d) for d in asked] == ["cuda:1"]

@@ -159,7 +159,7 @@ def test_lism_stages_never_read_instances_or_ground_truth_as_deps():
     with open("dvc.yaml") as f:
         stages = yaml.safe_load(f)["stages"]
     for name in ("segments", "lism"):
-        deps = " ".join(stages[name]["deps"])
+        deps = " ".join(stages[name]["do"]["deps"])      # a foreach over <stage>.sources
         assert "instances" not in deps and "ground_truth" not in deps
 
 
@@ -196,10 +196,10 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
                   for ex in ids]).to_parquet(tmp_path / "segments.parquet")
     params = StageParams("lism", {
         "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
-        "lism": {"model": "matcher", "pretrained": "", "source": "docci", "sentences": "sentences.parquet",
+        "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
                  "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
     monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
-    monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism"])
+    monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism@docci"])
     stage.main()
     metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]
     assert metrics == {"n_images": 1, "n_pairs": metrics["n_pairs"], "global_wins": 1 - metrics["n_pairs"]}

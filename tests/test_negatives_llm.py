@@ -111,7 +111,7 @@ def server():
 def stage_params(base_url, captions_file, cache_dir, backend="server", max_retries=3):
     source = {"reader": "coco", "captions": str(captions_file), "images": str(Path(captions_file).parent)}
     return StageParams("negatives", {"sources": {"coco": source}, "negatives": {
-        "source": "coco", "backend": backend, "per_caption": 4, "cache_dir": str(cache_dir),
+        "sources": ["coco"], "backend": backend, "per_caption": 4, "cache_dir": str(cache_dir),
         "base_url": base_url, "model": "test-model", "api_key_env": "CFT_TEST_KEY", "concurrency": 4,
         "timeout": TIMEOUT, "max_retries": max_retries, "max_failures": 0, "backoff": 0.02, "max_tokens": 64,
         "temperature": 0.7, "seed": 0}})

@@ -32,7 +32,7 @@ CPU = {
     "train": {"epochs": 1, "batch_size": 2, "warmup": 1, "workers": 0, "checkpoint_every": 0},
     "eval": {"batch_size": 64, "threads": 1},
 }
-STAGES = {"sample", "word_regions", "sentences", "segments", "pretrain", "lism", "negatives", "shards",
+STAGES = {"sample", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco", "shards",
           "train@clip", "benchmarks", "eval@clip"}
 
 

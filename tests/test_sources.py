@@ -13,12 +13,12 @@ from clipfinetune.data.readers import READERS, reader, source_paths
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 # stage -> the params key naming the source(s) it reads
-SOURCE_KEYS = {"pretrain": "pretrain.sources", "word_regions": "word_regions.source", "negatives": "negatives.source",
-               "sentences": "sentences.sources", "segments": "segments.source", "lism": "lism.source",
-               "shards": "shards.sources"}
+SOURCE_KEYS = {"pretrain": "pretrain.sources", "word_regions@coco": "word_regions.sources",
+               "negatives@coco": "negatives.sources", "sentences@docci": "sentences.sources",
+               "segments@docci": "segments.sources", "lism@docci": "lism.sources", "shards": "shards.sources"}
 
 # source path keys a stage never opens: only word_regions reads COCO instances; the text-only stages no images
-UNREAD = {"word_regions": {"images"}, "negatives": {"images", "instances"}, "sentences": {"images"},
+UNREAD = {"word_regions@coco": {"images"}, "negatives@coco": {"images", "instances"}, "sentences@docci": {"images"},
           "*": {"instances"}}
 
 

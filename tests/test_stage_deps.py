@@ -45,3 +45,29 @@ def test_a_module_a_stage_does_not_import_is_not_its_dep():
     assert "clipfinetune/data/negatives/degla/llm.py" in bodies["negatives"]["deps"]
     assert not [d for d in bodies["shards"]["deps"] if d.startswith("clipfinetune/data/negatives")]
     assert "clipfinetune/models/lora.py" not in bodies["word_regions"]["deps"] + bodies["sentences"]["deps"]
+
+
+def test_an_edited_loss_changes_the_code_digest_of_its_method_and_the_mix_only(tmp_path, monkeypatch):
+    """stage method_code's digests (data/code/<method>.json, train@<run>'s code dep) on a copy of the package:
+    appending to DeGLA's loss file changes DeGLA's and the mix's, no other method's."""
+    import shutil
+    import sys
+
+    from clipfinetune import deps
+    from clipfinetune.registry import METHODS, MIX
+
+    shutil.copytree(ROOT / "clipfinetune", tmp_path / "clipfinetune", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "stages", tmp_path / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(deps, "ROOT", tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT / "stages"))
+    import method_code
+
+    monkeypatch.setattr(method_code, "ROOT", tmp_path)
+    digests = lambda: {m: {f: method_code.digest(f) for f in deps.method_closure(m)} for m in (*METHODS, MIX)}
+    before = digests()
+    assert "clipfinetune/losses/degla.py" in before["degla"] and "clipfinetune/train/loop.py" not in before["degla"]
+    loss = tmp_path / "clipfinetune" / "losses" / "degla.py"
+    loss.write_text(loss.read_text() + "# edited\n")
+    after = digests()
+    assert {m for m in before if before[m] != after[m]} == {"degla", MIX}
+    sys.modules.pop("method_code", None)

@@ -59,6 +59,14 @@ def _ignore(_dir, names):
     return [n for n in names if n in ("__pycache__", "tmp") or n.endswith(".pyc")]
 
 
+# the data stages dvc.yaml runs once per listed source (`foreach: ${<stage>.sources}`): <stage>@<source>
+PREPARING = {"word_regions": "coco", "negatives": "coco", "sentences": "docci", "segments": "docci", "lism": "docci"}
+
+
+def dvc_name(stage: str) -> str:
+    return f"{stage}@{PREPARING[stage]}" if stage in PREPARING else stage
+
+
 def stage_cmd(stage: str) -> list[str]:
     if stage.startswith("train@"):
         run = stage.split("@", 1)[1]
@@ -67,7 +75,7 @@ def stage_cmd(stage: str) -> list[str]:
         return [PY, "stages/eval.py", "--model", stage.split("@", 1)[1], "--stage", stage]
     if stage == "eval_base":
         return [PY, "stages/eval.py", "--model", "base", "--stage", stage]
-    return [PY, f"stages/{stage}.py", "--stage", stage]
+    return [PY, f"stages/{stage}.py", "--stage", dvc_name(stage)]
 
 
 def start_stage(root: Path, stage: str) -> subprocess.Popen:
@@ -217,7 +225,7 @@ def inprocess(monkeypatch):
                         and a not in ("__file__", "__cached__")]
             assert not leftover, f"{mod.__name__}: {leftover} still point into {REPO}"
         monkeypatch.chdir(proj.root)
-        monkeypatch.setattr(sys, "argv", [f"stages/{name}.py", *argv, "--stage", stage])
+        monkeypatch.setattr(sys, "argv", [f"stages/{name}.py", *argv, "--stage", dvc_name(stage)])
         return module.main()
 
     return run

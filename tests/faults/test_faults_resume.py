@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import ENV, OUTPUTS, Project, kill, run_stage, start_stage
+from .conftest import ENV, OUTPUTS, Project, dvc_name, kill, run_stage, start_stage
 
 pytestmark = pytest.mark.faults
 
@@ -27,7 +27,7 @@ RESUMED = re.compile(r"resuming, (\d+) of this rank's (\d+) units already done")
 
 
 def part_files(proj: Project, stage: str) -> list[Path]:
-    d = proj / "data/cache" / stage.replace("@", "-")
+    d = proj / "data/cache" / dvc_name(stage).replace("@", "-")
     return sorted(p for p in d.rglob("unit-*") if p.is_file()) if d.is_dir() else []
 
 

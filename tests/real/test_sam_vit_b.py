@@ -56,7 +56,7 @@ def sam_project(tmp_path_factory):
     docci = repo / "docci_real" / "descriptions.jsonlines"
     docci.write_text("".join(json.dumps(r) + "\n" for r in records))
     write_params(repo, {"sources": {"docci": {"reader": "docci", "descriptions": str(docci), "images": str(images)}},
-                        "segments": {"source": "docci", "sam_checkpoint": str(checkpoint), "sam_type": "vit_b"}})
+                        "segments": {"sources": ["docci"], "sam_checkpoint": str(checkpoint), "sam_type": "vit_b"}})
     return repo, sam, checkpoint
 
 
@@ -75,7 +75,7 @@ def test_product_loads_the_vit_b_checkpoint_weights_only(sam_project):
 
 def test_segments_stage_with_real_vit_b_on_1024_images(sam_project):
     repo, _, checkpoint = sam_project
-    run(repo, sys.executable, "stages/segments.py", "--stage", "segments")
+    run(repo, sys.executable, "stages/segments.py", "--stage", "segments@docci")
     meta = json.loads((repo / "data" / "prepared" / "segments.meta.json").read_text())
     assert meta["segmenter"] == f"segment-anything vit_b ({checkpoint})"
     assert meta["n_images"] == 2 and meta["skipped"] == []

@@ -67,7 +67,7 @@ def make_project(dest: Path, **negatives) -> Path:
 
 
 def stage_cmd(python: str = sys.executable) -> list[str]:
-    return [python, "stages/negatives.py", "--stage", "negatives"]
+    return [python, "stages/negatives.py", "--stage", "negatives@coco"]
 
 
 def run_stage(repo: Path, python: str = sys.executable) -> subprocess.CompletedProcess:

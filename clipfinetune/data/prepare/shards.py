@@ -128,8 +128,9 @@ def _local_pair(rows, n_sentences: int, image_id: str, counts: Counter) -> list[
 
 class Annotations:
     """The prepared tables, each attached only to the records of the source it was prepared from:
-    `prepared_from` = {"word_regions": source, "negatives": source, "local_pairs": source, "sentences": [sources]}
-    (sentences also name their source in a column). A table whose sources are not among `sources` (the stage's)
+    `prepared_from` = {"word_regions": [sources], "negatives": [sources], "local_pairs": [sources], "sentences":
+    [sources]} (each the sources its stage prepared; [] = the stage did not run; sentences also name their source
+    in a column). A table whose sources are not among `sources` (the stage's)
     is not read, so a stage over, say, image-text pairs alone needs no LISM or word-region outputs."""
 
     PRODUCERS: ClassVar[dict[str, str]] = {
@@ -137,7 +138,7 @@ class Annotations:
 
     def __init__(self, prepared_dir, prepared_from: dict, sources):
         prepared, sources = Path(prepared_dir), set(sources)
-        self.sources = {k: v for k, v in prepared_from.items() if k != "sentences"}
+        self.sources = {k: {v} if isinstance(v, str) else set(v) for k, v in prepared_from.items()}
         self.negatives_matched = 0
 
         def table(kind: str, used: bool) -> dict:
@@ -148,12 +149,11 @@ class Annotations:
                 return {source: _group(rows) for source, rows in frame.groupby("source")}
             return _group(frame)
 
-        for kind in ("word_regions", "negatives", "local_pairs"):
-            setattr(self, kind, table(kind, self.sources.get(kind) in sources))
-        self.sentences = table("sentences", bool(set(prepared_from.get("sentences", ())) & sources))
+        for kind in ("word_regions", "negatives", "local_pairs", "sentences"):
+            setattr(self, kind, table(kind, bool(self.sources.get(kind, set()) & sources)))
 
     def rows(self, table: str, record) -> list:
-        if self.sources.get(table) != record.source:
+        if record.source not in self.sources.get(table, ()):
             return []
         return getattr(self, table).get(str(record.image_id), [])
 
