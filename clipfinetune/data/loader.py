@@ -138,7 +138,9 @@ def shard_paths(shards_dir: str | Path, split: str, method=None) -> list[str]:
         names = {name for source in sources for name in index[source]["shards"]}
         paths = [p for p in paths if Path(p).name in names]
         if not paths:
-            raise InputError(shards_dir, split, f"method {method.name!r} wants the records of no source")
+            raise InputError(shards_dir, split, f"method {method.name!r} wants the records of no source (do "
+                             f"`shards.sources` and the data stages whose tables it reads, `<stage>.sources`, "
+                             f"include its corpus?)")
     return paths
 
 
