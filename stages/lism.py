@@ -1,7 +1,7 @@
 """Stage `lism` (GOAL/LISM step 2): sentence-region matching on the train and test images of `lism.source`.
 
 Writes data/prepared/local_pairs.parquet (every per-sentence match of the train split, `chosen` marking
-the image's training pair), GOAL's joint global+local test list for the test split (data/prepared/global_local/test.json
+the image's training pair), GOAL's joint global+local test list for the test split (data/evalsets/global_local/test.json
 with its images), and metrics/lism.json: on the sample world, where the generator knows which object each
 sentence describes, LISM's accuracy against that ground truth; on real data (`lism.ground_truth: ""`) the pair
 counts only. It never reads the instances files; the ground truth is read only to measure.
@@ -33,7 +33,7 @@ from clipfinetune.io import atomic_path, write_json, write_parquet
 from clipfinetune.parts import work_units
 
 OUT = Path("data/prepared/local_pairs.parquet")
-TEST_DIR = Path("data/prepared/global_local")
+TEST_DIR = Path("data/evalsets/global_local")
 # images per part file by device type; on a GPU also the images whose crops share batches
 UNIT_IMAGES = {"cpu": 4, "cuda": 64}
 

@@ -1,11 +1,10 @@
 """Eval stages depend on the benchmark files they read: `clipfinetune.eval.suite.benchmark_files` lists them by each
 benchmark's own reader, stage `benchmarks` writes their sizes and digests to data/benchmarks.json, and every
-eval@<model> depends on that file. Unit tests on the evaluation test world; one DVC run on the tiny sample world
-(marker `dag`) edits a configured benchmark file in place and checks which stages re-run.
+eval@<model> depends on that file. Unit tests on the evaluation test world; the DVC run on the tiny sample world that edits a configured benchmark
+file in place and checks which stages re-run is tests/scale/test_benchmark_rerun.py (minutes).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -13,10 +12,8 @@ from pathlib import Path
 import pytest
 from fixtures.eval import world
 from fixtures.eval.fakes import write_image
-from fixtures.project import RAN, TINY, copy_project, run, write_params
 
 from clipfinetune import leakage, profile
-from clipfinetune.eval.items import METRICS_KEY
 from clipfinetune.eval.suite import benchmark_files, benchmark_manifest, read_set
 from clipfinetune.io import InputError
 
@@ -129,51 +126,3 @@ def test_every_benchmark_file_a_stage_writes_is_under_a_dep_of_the_benchmarks_st
             path = Path(value)
             if any(path == o or o in path.parents for o in outs):
                 assert any(path == d or d in path.parents for d in deps), (names, value)
-
-
-# ---------------------------------------------------------------- DVC, end to end on the tiny sample world
-@pytest.mark.dag
-def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_path):
-    repo = copy_project(tmp_path / "project")
-    write_params(repo, TINY)
-    run(repo, "git", "init", "-q")
-    run(repo, "git", "add", "-A")
-    run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "tiny project")
-    run(repo, "dvc", "repro", "sample")
-    # a benchmark set outside every stage output, as a real profile's datasets/...: a copy of the sample Karpathy set
-    ext = repo / "datasets" / "ext"
-    shutil.copytree(repo / "data" / "sample" / "images" / "val", ext / "images" / "val")
-    shutil.copy(repo / "data" / "sample" / "karpathy" / "dataset_coco.json", ext / "dataset_coco.json")
-    write_params(repo, {"eval": {"benchmarks": {"retrieval": {"ext": {"karpathy": "datasets/ext/dataset_coco.json",
-                                                                      "images": "datasets/ext/images"}}}}})
-    first = RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout)
-    assert {"benchmarks", "eval_base"} <= set(first)
-    metrics = json.loads((repo / "metrics" / "base.json").read_text())
-    assert "ext" in metrics["retrieval"]
-    import pyarrow.parquet as pq
-
-    # the items file carries the metrics file: `report` depends on metrics/items alone
-    meta = pq.read_schema(repo / "metrics" / "items" / "base.parquet").metadata
-    assert meta[METRICS_KEY.encode()].decode() == (repo / "metrics" / "base.json").read_text()
-
-    # unchanged: the manifest is re-listed, nothing else runs
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks"]
-    assert json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout) == {}
-
-    # a caption of the external set edited in place
-    data = json.loads((ext / "dataset_coco.json").read_text())
-    test_image = next(im for im in data["images"] if im["split"] == "test")
-    test_image["sentences"][0]["raw"] = "an edited caption"
-    (ext / "dataset_coco.json").write_text(json.dumps(data))
-    run(repo, "dvc", "repro", "--single-item", "benchmarks")
-    status = json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout)
-    assert status == {"eval_base": [{"changed deps": {"data/benchmarks.json": "modified"}}]}
-    dry = RAN.findall(run(repo, "dvc", "repro", "--dry", "eval_base").stdout)
-    assert dry == ["benchmarks", "eval_base"]
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]
-
-    # an image of it rewritten in place (another picture, same name)
-    image = ext / "images" / "val" / Path(test_image["filename"]).name
-    shutil.copy(next(p for p in (ext / "images" / "val").iterdir() if p != image), image)
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks"]

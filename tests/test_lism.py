@@ -203,7 +203,7 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     stage.main()
     metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]
     assert metrics == {"n_images": 1, "n_pairs": metrics["n_pairs"], "global_wins": 1 - metrics["n_pairs"]}
-    assert len(json.loads((tmp_path / "data/prepared/global_local/test.json").read_text())) == 2
+    assert len(json.loads((tmp_path / "data/evalsets/global_local/test.json").read_text())) == 2
     meta = json.loads((tmp_path / "data/prepared/local_pairs.meta.json").read_text())
     assert (meta["n_train_images"], meta["n_test_images"]) == (1, 1)
     assert meta["other_splits"] == {"qual_dev": 1, "qual_test": 1} and not meta["skipped"]

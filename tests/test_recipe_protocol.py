@@ -30,7 +30,7 @@ ARO = {"dir": "datasets/aro", "images": "datasets/aro/images", "coco_order": "da
        "coco_order_images": "datasets/coco"}
 VALSE = {"dir": "datasets/VALSE/data"}
 WINOGROUND = {"dir": "datasets/winoground"}
-GLOBAL_LOCAL = {"test_list": "data/prepared/global_local/test.json", "images": "data/prepared/global_local"}
+GLOBAL_LOCAL = {"test_list": "data/evalsets/global_local/test.json", "images": "data/evalsets/global_local"}
 
 
 def zeroshot(*names):

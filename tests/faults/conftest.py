@@ -44,7 +44,7 @@ OUTPUTS = {
     "negatives": ["data/prepared/negatives.parquet", "data/prepared/negatives.meta.json",
                   "metrics/negatives.json"],
     "lism": ["data/prepared/local_pairs.parquet", "data/prepared/local_pairs.meta.json",
-             "data/prepared/global_local", "metrics/lism.json"],
+             "data/evalsets/global_local", "metrics/lism.json"],
     "shards": ["data/shards"],
 }
 RUN_STATISTICS = {"data/prepared/negatives.meta.json": {"seconds", "requests_asked", "answers_from_cache",

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.faults
 INPUTS = {
     "segments": ["data/sample"],
     "lism": ["data/sample", "models/base", "data/prepared/sentences.parquet", "data/prepared/segments.parquet"],
-    "eval_base": ["data/sample", "models/base", "data/prepared/global_local"],
+    "eval_base": ["data/sample", "models/base", "data/evalsets/global_local"],
 }
 FAULT_SUITE = ["segments", "lism"]        # cheap here (~10-16 s each); eval_base in tests/scale/
 EVAL_OUTPUTS = ["metrics/base.json", "metrics/items/base.parquet"]

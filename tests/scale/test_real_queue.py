@@ -14,7 +14,8 @@ from fixtures import real_tree
 from fixtures.llm import openai_server, rewrite_reply
 from fixtures.project import copy_project, write_params
 from fixtures.project import run as _run
-from test_real_profile_dag import CPU, WEIGHTS
+
+from scale.test_real_profile_dag import CPU, WEIGHTS
 
 
 def _commit(repo, msg):

@@ -5,7 +5,7 @@ Only compute is scaled down: one epoch, tiny batches, no loader workers, a tiny 
 pretrained weights (`model.pretrained: local-dir:...`, also the LISM matcher), no SAM checkpoint (the documented CPU
 segmenter), and a fake OpenAI-compatible server in a thread in place of vLLM. Everything else (paths, layouts,
 spaCy lemmatizer, server backend, bf16 precision, the benchmark sets) is the real profile's.
-Run with `pytest -m dag` (~1-2 min on 2 CPU cores).
+Minutes on 2 CPU cores: tests/scale/, run by `make test-scale`.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ CPU = {
     "train": {"epochs": 1, "batch_size": 2, "warmup": 1, "workers": 0, "checkpoint_every": 0},
     "eval": {"batch_size": 64, "threads": 1},
 }
-STAGES = {"sample", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco", "shards",
-          "train@clip", "benchmarks", "eval@clip"}
+STAGES = {"sample", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco",
+          "shards", "method_code", "train@clip", "benchmarks", "eval@clip"}
 
 
 def _json(path):
