@@ -8,8 +8,8 @@ repro, and its unchanged output re-runs nothing):
   - changing `runs.fsc_clip.lambda_l` makes `dvc status` list exactly `train@fsc_clip` (and `report`, which reads
     `runs` for its list of models);
   - changing `train.seed` (what `make seeds` varies) marks every train@ run and not pretrain;
-  - `dvc exp run -S runs.fsc_clip.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report;
-  - `dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
+  - editing one method's loss file marks only that method's runs (through stage method_code).
+The experiment flow (`dvc exp run -S runs.fsc_clip.lambda_l=0.2`, `dvc metrics diff`) is tests/scale/test_dag_experiment.py.
 Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
 """
 from __future__ import annotations
@@ -75,15 +75,7 @@ def dag(tmp_path_factory):
     write_params(repo, {"train": {"seed": 7}})
     rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     _run(repo, "git", "checkout", "--", "params.yaml")
-
-    t0 = time.perf_counter()
-    exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "runs.fsc_clip.lambda_l=0.2")
-    rec["exp_seconds"] = time.perf_counter() - t0
-    rec["exp_ran"] = RAN.findall(exp.stdout)
-    rec["lock_exp"] = _lock(repo)
-    rec["metrics_diff"] = json.loads(_run(repo, "dvc", "metrics", "diff", "--json", "HEAD").stdout)
-    rec["exp_diff"] = json.loads(_run(repo, "dvc", "exp", "diff", "--json", "HEAD", "l02").stdout)
-    print(f"\n[dag] repro {rec['repro_seconds']:.0f}s, exp run {rec['exp_seconds']:.0f}s")
+    print(f"\n[dag] repro {rec['repro_seconds']:.0f}s")
     return rec
 
 
@@ -156,23 +148,3 @@ def test_editing_one_methods_loss_marks_only_its_runs(dag):
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
     # downstream of the runs: their eval@ stages and report (not eval_base); sample, data stages, pretrain untouched
     assert set(_changed(dag["status_seed"])) == {s for s in dag["stages"] if s.startswith("train@")}
-
-
-def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):
-    wanted = {"train@fsc_clip", "eval@fsc_clip", "report"}
-    assert set(dag["exp_ran"]) == wanted | {"benchmarks"}      # benchmarks re-lists (same output, lock unchanged)
-    before, after = dag["lock_baseline"], dag["lock_exp"]
-    assert before.keys() == after.keys()
-    assert {name for name in before if before[name] != after[name]} == wanted
-    assert after["train@fsc_clip"]["params"]["params.yaml"]["runs.fsc_clip"]["lambda_l"] == 0.2
-
-
-def test_metrics_diff_changes_only_fsc_clip_and_summary(dag):
-    files = {path for path, keys in dag["metrics_diff"].items() if keys}
-    assert files <= {"metrics/fsc_clip.json", "metrics/summary.json"}
-    assert "metrics/fsc_clip.json" in files
-    summary_keys = dag["metrics_diff"].get("metrics/summary.json", {})
-    assert all("fsc_clip" in key for key in summary_keys), sorted(summary_keys)
-    exp_metrics = {path for path, keys in dag["exp_diff"]["metrics"].items() if keys}
-    assert exp_metrics == files
-    assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"runs.fsc_clip.lambda_l"}
