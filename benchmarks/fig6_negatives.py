@@ -78,6 +78,12 @@ class Stub:
         self.base_url = f"http://127.0.0.1:{parent.recv()}/v1"
         return self
 
+    def cpu_s(self) -> float:
+        """The stub process's CPU seconds so far (user + system, from /proc)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc):
         self.proc.kill()
         self.proc.join(10)
@@ -121,13 +127,16 @@ def run_client(base_url: str, model: str, n_requests: int, in_flight: int, cache
                     log(f"  {answered} answered, RSS {rss_at[str(answered)]} MB")
 
         rss_start = rss_mb()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = backend.run(synthetic_requests(n_requests), on_result, total=n_requests)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if store is not None:
             store.close()
     return {"requests": n_requests, "answered": answered, "in_flight": in_flight, "failed": stats["failed"],
             "seconds": round(seconds, 2), "requests_per_s": round(answered / seconds, 1),
+            # the client's own CPU: on a shared machine, the rate one free core would give
+            "client_cpu_s": round(cpu, 2), "requests_per_client_cpu_s": round(answered / max(cpu, 1e-9), 1),
+            "load_avg_1min": os.getloadavg()[0],
             "rss_mb_start": round(rss_start, 1), "rss_mb_at": rss_at, "peak_rss_mb": max(rss_at.values(), default=0),
             "cache": cache, "client": "ServerBackend (aiohttp)", "endpoint": base_url}
 
@@ -135,7 +144,9 @@ def run_client(base_url: str, model: str, n_requests: int, in_flight: int, cache
 def run_client_against_stub(n_requests: int = 200_000, in_flight: int = 256, cache: bool = False, log=None) -> dict:
     """The client against the local stub (another process) that answers at once: see the module docstring."""
     with Stub() as stub:
-        return {**run_client(stub.base_url, "stub", n_requests, in_flight, cache=cache, log=log), "server": "stub"}
+        cpu0 = stub.cpu_s()
+        out = run_client(stub.base_url, "stub", n_requests, in_flight, cache=cache, log=log)
+        return {**out, "server": "stub", "stub_cpu_s": round(stub.cpu_s() - cpu0, 2)}
 
 
 def vllm_figure(base_url: str, model: str, n_requests: int = 256, in_flights=(8, 64), log=print) -> list[dict]:

@@ -37,6 +37,27 @@ from clipfinetune.data.negatives.degla.validators import RULES, TYPES
 
 log = logging.getLogger(__name__)
 
+try:                 # orjson (a dvc dependency) encodes/decodes the bodies ~3-5x faster than the stdlib
+    import orjson
+
+    def _dumps(obj) -> bytes:
+        return orjson.dumps(obj)
+except ImportError:  # pragma: no cover
+    orjson = None
+
+    def _dumps(obj) -> bytes:
+        return json.dumps(obj).encode()
+
+
+def _loads(body: bytes):
+    """A response body; what orjson refuses (NaN, lone surrogates, ...) is read by the stdlib as before."""
+    if orjson is not None:
+        try:
+            return orjson.loads(body)
+        except ValueError:
+            pass
+    return json.loads(body)
+
 TEMPLATE = ("Please rewrite the following input caption based on the rewrite rule and examples: <{rule}>. "
             "Here are the examples: {examples}. ensuring that the rewritten sentences have significantly "
             "different or opposite meanings from the original sentences. Input text: <{caption}>")
@@ -168,6 +189,9 @@ class ServerBackend:
         self.max_tokens, self.temperature, self.seed = int(max_tokens), float(temperature), int(seed)
         self.progress_every = float(progress_every)
         self.requests_sent = 0
+        # the same for every request: built once (per-request cost is what bounds the rate at hundreds in flight)
+        self._response_format = {"type": "json_schema",
+                                 "json_schema": {"name": "rewrite", "strict": True, "schema": answer_schema()}}
 
     def prepare(self, captions) -> None:
         pass
@@ -175,16 +199,14 @@ class ServerBackend:
     def payload(self, req: Request) -> dict:
         return {"model": self.model, "messages": messages_for(req), "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "seed": request_seed(self.seed, req.key),
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "rewrite", "strict": True,
-                                                    "schema": answer_schema()}}}
+                "response_format": self._response_format}
 
     async def _post_once(self, session, req: Request) -> str:
         import aiohttp
 
         self.requests_sent += 1
         try:
-            async with session.post(self.url, data=json.dumps(self.payload(req))) as r:
+            async with session.post(self.url, data=_dumps(self.payload(req))) as r:
                 body = await r.read()
                 status = r.status
         except TimeoutError as e:                    # a busy server, not a dead one
@@ -198,7 +220,7 @@ class ServerBackend:
         if status >= 400:
             raise EndpointError(f"{self.url}: HTTP {status}: {body[:300].decode(errors='replace')}")
         try:
-            return json.loads(body)["choices"][0]["message"]["content"]
+            return _loads(body)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
             return ""   # a 200 whose body is not a chat completion: counted as an empty answer
 
@@ -230,7 +252,10 @@ class ServerBackend:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        connector = aiohttp.TCPConnector(limit=self.concurrency, limit_per_host=self.concurrency)
+        # keep-alive connections, one per worker; no cookie jar (an API sets none, and the default jar
+        # filters cookies on every request)
+        connector = aiohttp.TCPConnector(limit=self.concurrency, limit_per_host=self.concurrency,
+                                         keepalive_timeout=max(self.timeout, 30.0))
         timeout = aiohttp.ClientTimeout(total=self.timeout)
 
         async def worker(session):
@@ -251,7 +276,8 @@ class ServerBackend:
                 state["answered"] += 1
                 progress.update(done=1)
 
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
+                                         cookie_jar=aiohttp.DummyCookieJar()) as session:
             workers = [asyncio.create_task(worker(session)) for _ in range(self.concurrency)]
             try:
                 await asyncio.gather(*workers)
