@@ -18,7 +18,8 @@ Backends share one interface, `run(requests, on_result)` with `on_result(request
   retries raises `EndpointError` naming the URL; answers received so far are already in the cache. Requests
   still failing (timeouts, 5xx) after their retries are counted in `run`'s result: the caller decides (see
   generate.MissingAnswersError).
-- `OfflineBackend`: `vllm.LLM.chat` over chunks of requests with `SamplingParams(structured_outputs=
+- `OfflineBackend`: `vllm.LLM.chat` over large batches of requests (16,384; each batch's answers are cached as it
+  returns, so a kill loses at most one batch) with `SamplingParams(structured_outputs=
   StructuredOutputsParams(json=schema))` (`GuidedDecodingParams` on older vLLM); `vllm` is imported lazily.
   On vLLM's CPU build chunked prefill is turned off (seeded requests crash it there, see `_engine`).
 """
@@ -306,9 +307,9 @@ class OfflineBackend:
     name = "offline"
 
     def __init__(self, model: str, max_tokens: int = 256, temperature: float = 0.7, seed: int = 0,
-                 chunk: int = 1024, **llm_kwargs):
+                 batch: int = 16_384, **llm_kwargs):
         self.model, self.max_tokens, self.temperature, self.seed = model, int(max_tokens), float(temperature), int(seed)
-        self.chunk, self.llm_kwargs = int(chunk), llm_kwargs
+        self.batch, self.llm_kwargs = max(1, int(batch)), llm_kwargs
         self._llm = None
         self.vllm_version = None
 
@@ -345,17 +346,26 @@ class OfflineBackend:
             sp["guided_decoding"] = GuidedDecodingParams(json=answer_schema())
         return vllm.SamplingParams(**sp)
 
-    def run(self, requests, on_result) -> dict:
-        requests = list(requests)
-        if not requests:
-            return {"failed": 0, "last_error": ""}
-        vllm, llm = self._engine()
-        for i in range(0, len(requests), self.chunk):
-            batch = requests[i:i + self.chunk]
+    def run(self, requests, on_result, total: int | None = None) -> dict:
+        """Ask every request, `batch` at a time: each batch goes to `llm.chat` whole (vLLM schedules it
+        continuously, so a large batch keeps the engine full where small chunks wait on their slowest request)
+        and its answers reach `on_result` (the cache) as soon as it returns, so a killed run loses at most one
+        batch. `requests` is consumed lazily, one batch in memory at a time."""
+        import itertools
+
+        if total is None and hasattr(requests, "__len__"):
+            total = len(requests)
+        pending = iter(requests)
+        progress = Progress(total, f"negatives[{self.name}]", 0.0)
+        vllm = llm = None
+        while batch := list(itertools.islice(pending, self.batch)):
+            if llm is None:
+                vllm, llm = self._engine()
             outs = llm.chat([messages_for(r) for r in batch], [self._sampling(vllm, r) for r in batch],
                             use_tqdm=False)
             for req, out in zip(batch, outs):
                 content = out.outputs[0].text if out.outputs else ""
                 text, err = parse_answer(content)
                 on_result(req, text, err, content)
+            progress.update(done=len(batch))     # one line per batch
         return {"failed": 0, "last_error": ""}
