@@ -8,10 +8,12 @@ requests of a local OpenAI-compatible stub that answers at once. The stub runs i
 
 `run_client_against_stub(n_requests, in_flight) -> dict` is what the COCO-sized rehearsal calls;
 `run_client(base_url, model, n_requests, in_flight)` measures any endpoint, e.g. the vLLM CPU server of
-`make test-vllm` at 8 vs 64 in flight (`--vllm BASE_URL --model NAME`, see `vllm_figure`).
+`make test-vllm` at 8 vs 64 in flight (`--vllm BASE_URL --model NAME`, see `vllm_figure`; `--vllm-cpu` starts that
+server itself, see `vllm_cpu_figure`).
 
     python -m benchmarks.fig6_negatives --requests 200000 --in-flight 256
     python -m benchmarks --only 6
+    python -m benchmarks.fig6_negatives --vllm-cpu --requests 256     # 8 vs 64 in flight, real vLLM on CPU
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from .common import Row
 
@@ -78,6 +81,12 @@ class Stub:
         self.base_url = f"http://127.0.0.1:{parent.recv()}/v1"
         return self
 
+    def cpu_s(self) -> float:
+        """The stub process's CPU seconds so far (user + system, from /proc)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc):
         self.proc.kill()
         self.proc.join(10)
@@ -121,13 +130,16 @@ def run_client(base_url: str, model: str, n_requests: int, in_flight: int, cache
                     log(f"  {answered} answered, RSS {rss_at[str(answered)]} MB")
 
         rss_start = rss_mb()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = backend.run(synthetic_requests(n_requests), on_result, total=n_requests)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if store is not None:
             store.close()
     return {"requests": n_requests, "answered": answered, "in_flight": in_flight, "failed": stats["failed"],
             "seconds": round(seconds, 2), "requests_per_s": round(answered / seconds, 1),
+            # the client's own CPU: on a shared machine, the rate one free core would give
+            "client_cpu_s": round(cpu, 2), "requests_per_client_cpu_s": round(answered / max(cpu, 1e-9), 1),
+            "load_avg_1min": os.getloadavg()[0],
             "rss_mb_start": round(rss_start, 1), "rss_mb_at": rss_at, "peak_rss_mb": max(rss_at.values(), default=0),
             "cache": cache, "client": "ServerBackend (aiohttp)", "endpoint": base_url}
 
@@ -135,20 +147,80 @@ def run_client(base_url: str, model: str, n_requests: int, in_flight: int, cache
 def run_client_against_stub(n_requests: int = 200_000, in_flight: int = 256, cache: bool = False, log=None) -> dict:
     """The client against the local stub (another process) that answers at once: see the module docstring."""
     with Stub() as stub:
-        return {**run_client(stub.base_url, "stub", n_requests, in_flight, cache=cache, log=log), "server": "stub"}
+        cpu0 = stub.cpu_s()
+        out = run_client(stub.base_url, "stub", n_requests, in_flight, cache=cache, log=log)
+        return {**out, "server": "stub", "stub_cpu_s": round(stub.cpu_s() - cpu0, 2)}
 
 
 def vllm_figure(base_url: str, model: str, n_requests: int = 256, in_flights=(8, 64), log=print) -> list[dict]:
-    """Requests/s of the client at each number in flight against a running vLLM server, e.g. the CPU one of
-    `make test-vllm` (tests/real_vllm: a random tiny Llama, served by $VLLM_PYTHON -m vllm.entrypoints.openai.api_server)
-    started by hand. Not measured yet (no vLLM venv on the machine of issue 34)."""
+    """Requests/s of the client at each number in flight against a running vLLM server (warmed up first)."""
     out = []
     run_client(base_url, model, 16, 8)                     # warm-up
     for k in in_flights:
         r = run_client(base_url, model, n_requests, k, log=log)
-        log(f"vLLM, {k} in flight: {r['requests_per_s']} req/s")
+        log(f"vLLM, {k} in flight: {r['requests_per_s']} req/s ({r['seconds']} s, load {r['load_avg_1min']:.1f})")
         out.append({**r, "server": base_url})
     return out
+
+
+VLLM_PYTHON = Path.home() / ".cache/clipfinetune/venv-vllm/bin/python"      # what `make test-vllm` builds
+# as tests/real_vllm/test_vllm_negatives.py starts it: a random tiny Llama on vLLM's CPU build (chunked prefill
+# off: seeded requests crash it there)
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
+VLLM_CPU_FLAGS = ("--max-model-len", "1024", "--dtype", "float32", "--no-enable-chunked-prefill",
+                  "--max-num-batched-tokens", "1024", "--enforce-eager")
+
+
+def vllm_cpu_figure(n_requests: int = 256, in_flights=(8, 64), vllm_python: Path = VLLM_PYTHON, log=print,
+                    start_s: float = 600) -> list[dict]:
+    """`vllm_figure` against the real vLLM CPU server of `make test-vllm`: builds the random tiny Llama of
+    tests/real_vllm/tiny_llama.py (tokenizer trained on the synthetic captions), serves it on 127.0.0.1 with
+    `vllm_python -m vllm.entrypoints.openai.api_server`, measures 8 vs 64 in flight, stops the server."""
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    if not Path(vllm_python).is_file():
+        raise FileNotFoundError(f"{vllm_python}: no vLLM venv; `make test-vllm` builds it")
+    env = {**os.environ, **VLLM_ENV}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        captions = [{"id": i, "image_id": i, "caption": r.caption} for i, r in enumerate(synthetic_requests(2000))]
+        (tmp / "captions.json").write_text(json.dumps({"images": [], "annotations": captions}))
+        tiny = Path(__file__).resolve().parents[1] / "tests/real_vllm/tiny_llama.py"
+        subprocess.run([str(vllm_python), str(tiny), "--captions", str(tmp / "captions.json"),
+                        "--out", str(tmp / "model")], env=env, check=True, timeout=600)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        base_url = f"http://127.0.0.1:{port}/v1"
+        with open(tmp / "server.log", "w") as server_log:
+            proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                     str(tmp / "model"), "--served-model-name", "tiny-llama", "--host", "127.0.0.1",
+                                     "--port", str(port), *VLLM_CPU_FLAGS], env=env, stdout=server_log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + start_s
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server did not come up:\n{(tmp / 'server.log').read_text()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(f"{base_url}/models", timeout=5) as r:
+                        if b"tiny-llama" in r.read():
+                            break
+                except OSError:
+                    pass
+                time.sleep(1)
+            return vllm_figure(base_url, "tiny-llama", n_requests, in_flights, log=log)
+        finally:                  # the API server and its engine core: the whole process group
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
 
 
 def figure(log=print, n_requests: int = 200_000, in_flight: int = 256) -> list[Row]:
@@ -171,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", action="store_true", help="also append every answer to an AnswerCache (tmp dir)")
     ap.add_argument("--vllm", default="", metavar="BASE_URL", help="against a running vLLM server: 8 vs 64 in flight")
     ap.add_argument("--model", default="", help="with --vllm: the served model's name")
+    ap.add_argument("--vllm-cpu", action="store_true", help="start `make test-vllm`'s vLLM CPU server with a tiny "
+                    "random Llama (~/.cache/clipfinetune/venv-vllm) and measure 8 vs 64 in flight")
     args = ap.parse_args(argv)
 
     def log(msg):
@@ -179,6 +253,9 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.vllm_cpu:
+        print(json.dumps(vllm_cpu_figure(args.requests, log=log), indent=1))
+        return 0
     if args.vllm:
         print(json.dumps(vllm_figure(args.vllm, args.model, args.requests, log=log), indent=1))
         return 0

@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import resource
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -196,8 +197,14 @@ def timed(fn, root: Path) -> dict:
     except EOFError:            # the child died without a word (killed, os._exit)
         out = None
     proc.join()
+    if out is None and proc.exitcode is not None and proc.exitcode < 0:
+        # e.g. SIGKILL from the kernel's OOM killer (see `dmesg`): say which signal, not a bare negative code
+        how = f"killed by {signal.Signals(-proc.exitcode).name}" + (
+            " (out of memory? see dmesg)" if proc.exitcode == -signal.SIGKILL else "")
+    else:
+        how = f"exited {proc.exitcode}"
     return out or {"seconds": float("nan"), "peak_gb": float("nan"), "result": {},
-                   "error": f"process exited {proc.exitcode} without a result"}
+                   "error": f"process {how} without a result"}
 
 
 def rehearsal(fraction: float = 1.0, log=print) -> list[dict]:

@@ -217,7 +217,7 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch, platform):
 
     from clipfinetune.data.negatives.degla.llm import Request
 
-    backend = OfflineBackend("some/model", max_tokens=50, temperature=0.5, seed=3, chunk=2)
+    backend = OfflineBackend("some/model", max_tokens=50, temperature=0.5, seed=3, batch=2)
     got = []
     reqs = [Request(f"{i:032x}", GOOD[0], t) for i, t in enumerate(RULES)]
     backend.run(reqs, lambda req, text, err, raw: got.append((req.type, text, err)))
@@ -233,3 +233,72 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch, platform):
         assert init["enable_chunked_prefill"] is False and init["max_num_batched_tokens"] >= init["max_model_len"]
     else:
         assert "enable_chunked_prefill" not in init and "max_num_batched_tokens" not in init
+
+
+def test_offline_backend_caches_each_batch_as_it_returns_and_a_kill_loses_one_batch(monkeypatch, tmp_path):
+    """Large batches go to `llm.chat` whole (not in smaller waiting chunks), requests are read lazily, and each
+    batch's answers are in the cache before the next batch is submitted: killed during batch 3, the cache holds
+    batches 1 and 2 and a re-run asks only the rest."""
+    from clipfinetune.data.negatives.degla.cache import AnswerCache
+    from clipfinetune.data.negatives.degla.llm import Request
+
+    submitted, taken = [], []
+
+    class Killed(BaseException):
+        pass
+
+    class LLM:
+        kill_on_call = 3
+
+        def __init__(self, model, **kw):
+            pass
+
+        def chat(self, conversations, params, use_tqdm=False):
+            submitted.append([parse_prompt(c[-1]["content"])[0] for c in conversations])
+            if len(submitted) == self.kill_on_call:
+                raise Killed
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                text=json.dumps({"rewritten": "not " + parse_prompt(c[-1]["content"])[0]}))]) for c in conversations]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams, vllm.__version__ = LLM, lambda **kw: kw, "stand-in"
+    sp = types.ModuleType("vllm.sampling_params")
+    sp.StructuredOutputsParams = lambda json=None: json
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)
+
+    reqs = [Request(f"{i:032x}", f"caption {i}", "swap_nouns") for i in range(10)]
+
+    def lazily():
+        for r in reqs:
+            taken.append(r.key)
+            yield r
+
+    path = tmp_path / "answers.jsonl"
+
+    def ask(requests):
+        with AnswerCache(path) as cache:
+            def on_result(req, text, err, raw):
+                # the batch is over before its answers arrive: no request of a later batch has been read yet
+                assert len(taken) <= 4 * len(submitted)
+                cache.append({"key": req.key, "caption": req.caption, "type": req.type, "variant": 0,
+                              "text": text, "error": err, "raw": raw})
+            OfflineBackend("m", batch=4).run(requests, on_result)
+
+    with pytest.raises(Killed):
+        ask(lazily())
+    assert submitted == [[f"caption {i}" for i in range(4)], [f"caption {i}" for i in range(4, 8)],
+                         ["caption 8", "caption 9"]]
+    cached = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [c["key"] for c in cached] == [r.key for r in reqs[:8]]           # the killed batch alone is lost
+    assert all(c["text"] == "not " + c["caption"] for c in cached)
+
+    # the re-run asks only what the cache lacks (as generate_negatives does: requests minus cached keys)
+    submitted.clear()
+    taken.clear()
+    LLM.kill_on_call = 0
+    done = {c["key"] for c in cached}
+    ask([r for r in reqs if r.key not in done])
+    assert submitted == [["caption 8", "caption 9"]]
+    assert len(path.read_text().splitlines()) == 10
