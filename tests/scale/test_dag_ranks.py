@@ -129,3 +129,11 @@ def test_training_takes_the_same_steps_with_a_close_loss(dag):
         assert c1["loss"].keys() == c2["loss"].keys(), stage
         for step, value in c1["loss"].items():
             assert abs(c2["loss"][step] - value) <= LOSS_RTOL * abs(value), (stage, step, value, c2["loss"][step])
+
+
+def test_pretrain_batch_is_global_too(dag):
+    """pretrain.batch_size is split across the ranks (stages/pretrain.py): the same steps and schedule."""
+    m1, m2 = dag["meta1"]["pretrain"], dag["meta2"]["pretrain"]
+    assert m1["global_batch"] == m2["global_batch"] == 2 * m2["rank_batch"] == m1["rank_batch"]
+    c1, c2 = dag["curves1"]["pretrain"], dag["curves2"]["pretrain"]
+    assert c1["lr"] == c2["lr"] and len(c1["lr"]) >= 2
