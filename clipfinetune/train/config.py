@@ -51,7 +51,7 @@ class TrainConfig:
         if self.epoch_samples < 0:
             raise ValueError(f"epoch_samples must be >= 0 (0 = every unit), got {self.epoch_samples}")
         if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be true or false, got {self.compile!r}")
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")  # noqa: TRY004  (as its siblings)
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("epochs and batch_size must be >= 1")
 
