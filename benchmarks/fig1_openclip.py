@@ -43,15 +43,16 @@ def shard_brace(shards=SHARDS) -> str:
 
 
 # ------------------------------------------------------------------------------------------ ours (child process)
-def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_steps: int = 0) -> None:
+def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_steps: int = 0, device: str = "cpu",
+          precision: str = "fp32") -> None:
     """Our stage's training path (ShardLoader + Trainer, plain CLIP), one epoch (or its first `max_steps` steps);
-    prints per-step samples/s."""
-    import torch  # noqa: F401
+    prints per-step samples/s. `device`/`precision`: benchmarks/gpu.py's cuda, bf16."""
+    import torch
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.methods import build_method
     from clipfinetune.models import load_model
-    from clipfinetune.train import TrainConfig, Trainer
+    from clipfinetune.train import DistInfo, TrainConfig, Trainer
     from clipfinetune.train import loop as loop_mod
     from clipfinetune.train.checkpoint import seed_everything
 
@@ -69,13 +70,13 @@ def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_step
 
     loop_mod.Monitor = Recorder
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=2e-4, warmup=20, wd=0.1, beta1=0.9, beta2=0.98, eps=1e-6,
-                      grad_clip=1.0, workers=workers, seed=0)
+                      grad_clip=1.0, workers=workers, seed=0, precision=precision)
     seed_everything(0)
-    model = load_model("local-dir:" + model_dir)
+    model = load_model("local-dir:" + model_dir, device=device)
     method = build_method("clip")
     ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
     loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
-    trainer = Trainer(method, model, loader, cfg)
+    trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=torch.device(device)))
     if max_steps:                                   # the loop runs steps_per_epoch steps of its one epoch
         trainer.steps_per_epoch = trainer.total_steps = min(trainer.total_steps, max_steps)
     t0 = time.perf_counter()
@@ -83,16 +84,20 @@ def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_step
     print(json.dumps({"samples_per_s": steps, "wall_s": time.perf_counter() - t0, "steps": len(steps)}))
 
 
-def ours_cmd(model_dir, batch_size, workers, shards=SHARDS, max_steps=0) -> list[str]:
+def ours_cmd(model_dir, batch_size, workers, shards=SHARDS, max_steps=0, device="cpu", precision="fp32") -> list[str]:
     return [python(), "-m", "benchmarks.fig1_openclip", "--child", "--model", str(model_dir),
             "--batch-size", str(batch_size), "--workers", str(workers), "--shards", str(shards),
-            "--max-steps", str(max_steps)]
+            "--max-steps", str(max_steps), "--device", device, "--precision", precision]
 
 
-def openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards=SHARDS) -> list[str]:
+OC_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}     # ours -> open_clip_train's --precision
+
+
+def openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards=SHARDS, device="cpu",
+                 precision="fp32") -> list[str]:
     return [python(), "-m", "clipfinetune.data.open_clip_compat", "--dataset-type", "webdataset",
             "--train-data", shard_brace(shards), "--train-num-samples", str(n_samples),
-            "--model", f"local-dir:{model_dir}", "--precision", "fp32", "--device", "cpu",
+            "--model", f"local-dir:{model_dir}", "--precision", OC_PRECISION[precision], "--device", device,
             "--batch-size", str(batch_size), "--workers", str(workers), "--epochs", "1",
             "--lr", "2e-4", "--wd", "0.1", "--warmup", "20", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6",
             "--grad-clip-norm", "1.0", "--seed", "0", "--log-every-n-steps", "1",
@@ -100,8 +105,9 @@ def openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards=SHARDS)
             "--logs", str(WORK / "oc_logs"), "--name", name]
 
 
-def run_ours(model_dir, batch_size, workers, shards=SHARDS, max_steps=0, skip=SKIP) -> dict:
-    cmd = ours_cmd(model_dir, batch_size, workers, shards, max_steps)
+def run_ours(model_dir, batch_size, workers, shards=SHARDS, max_steps=0, skip=SKIP, device="cpu",
+             precision="fp32") -> dict:
+    cmd = ours_cmd(model_dir, batch_size, workers, shards, max_steps, device, precision)
     rc, out, wall = run(cmd, timeout=3600)
     if rc != 0:
         raise RuntimeError(f"our trainer run failed ({rc}):\n{out[-3000:]}")
@@ -110,9 +116,10 @@ def run_ours(model_dir, batch_size, workers, shards=SHARDS, max_steps=0, skip=SK
     return {"median_sps": median(sps), "steps": res["steps"], "timed_steps": len(sps), "process_wall_s": wall}
 
 
-def run_openclip(model_dir, batch_size, workers, n_samples, i, shards=SHARDS, skip=SKIP) -> dict:
+def run_openclip(model_dir, batch_size, workers, n_samples, i, shards=SHARDS, skip=SKIP, device="cpu",
+                 precision="fp32") -> dict:
     name = f"bench-{int(time.time())}-{i}"
-    cmd = openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards)
+    cmd = openclip_cmd(model_dir, batch_size, workers, n_samples, name, shards, device, precision)
     rc, out, wall = run(cmd, timeout=3600)
     shutil.rmtree(WORK / "oc_logs" / name, ignore_errors=True)
     if rc != 0:
@@ -232,7 +239,9 @@ if __name__ == "__main__":
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--shards", default=str(SHARDS))
     ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default="fp32")
     a = ap.parse_args()
     if not a.child:
         sys.exit("use `python -m benchmarks --only 1`")
-    child(a.model, a.batch_size, a.workers, a.shards, a.max_steps)
+    child(a.model, a.batch_size, a.workers, a.shards, a.max_steps, a.device, a.precision)

@@ -76,7 +76,7 @@ def write_shards(samples, folder, n_shards: int = 2):
     return folder
 
 
-def sam_seconds_per_image(n_images: int = 2, size=(1024, 768)) -> dict:
+def sam_seconds_per_image(n_images: int = 2, size=(1024, 768), device: str = "cpu", points_per_side: int = 32) -> dict:
     import numpy as np
     import torch
     from segment_anything import sam_model_registry
@@ -95,7 +95,7 @@ def sam_seconds_per_image(n_images: int = 2, size=(1024, 768)) -> dict:
             return out
         return masks
 
-    masks_fn = counting(sam_masks_fn(build_sam("vit_b", str(checkpoint)), points_per_side=32,
+    masks_fn = counting(sam_masks_fn(build_sam("vit_b", str(checkpoint), device), points_per_side=points_per_side,
                                      pred_iou_thresh=0.88, stability_score_thresh=0.95))
     from PIL import Image
 
@@ -104,9 +104,12 @@ def sam_seconds_per_image(n_images: int = 2, size=(1024, 768)) -> dict:
         image = np.asarray(Image.open(io.BytesIO(jpg)).convert("RGB"))
         t0 = time.perf_counter()
         kept.append(len(segment_image(image, masks_fn, 0.01, 0.8)))
+        if device != "cpu":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return {"seconds_per_image": times, "masks_generated": generated, "segments_kept_1_80pct": kept,
-            "image_size": list(size), "threads": torch.get_num_threads()}
+            "image_size": list(size), "threads": torch.get_num_threads(), "device": device,
+            "points_per_side": points_per_side}
 
 
 def figure(*, pairs: int = 2, log=print) -> list[Row]:

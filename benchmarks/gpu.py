@@ -6,12 +6,36 @@ ViT-B-16 (random init, full depth) at 224 px, bf16 autocast, batch 128; each met
 warm-up steps, median of `STEPS`. FLOPs: `FlopCounterMode` around one `compute_gradients` (fig2's `count_flops`).
 The card's rate: a bf16 8192^3 GEMM timed on the same card; a method's share = achieved TFLOP/s / the GEMM's.
 Without CUDA it says so and exits 0 (the CPU figures are `python -m benchmarks`).
+
+Then the rows beyond the step table (`extra_rows`), over real-size webdataset shards written here (640 x 480
+JPEGs with COCO-length captions, fig5_real's samples; `WORKERS` loader workers on both sides):
+- end to end: our `Trainer.fit` (ShardLoader) against `open_clip_train` (its `main`, through
+  clipfinetune.data.open_clip_compat for the local-dir model), each a separate process, plain CLIP, bf16
+  (open_clip's `amp_bf16`), the same batch and steps; median per-step samples/s after warm-up (figure 1's rule);
+- the loader alone (ShardLoader, one epoch, samples/s) against the step's consumption (`Trainer.train_step` on a
+  fixed batch of the same size, CUDA-synchronised);
+- eval: images/s of the evaluation's image path (`eval.encode.Encoder.images`: JPEG decode, transform, fp32
+  forward) over the same JPEGs;
+- SAM: s/image of segment-anything `vit_b` (random init) through the `segments` stage's segmenter (`build_sam`,
+  `SamAutomaticMaskGenerator`, 32 x 32 points) on 1024 x 768 images (fig5_real's function, on the device);
+- LISM: crops/s of `data.prepare.lism.match_images` (each image and its box crops embedded, the sentences
+  matched; on a GPU the crops of many images share batches).
+MEASURED: NOTHING YET on a GPU for these rows (this session had no CUDA machine): the step table's baseline is
+issue 32's H200 table. tests/scale/test_gpu_rows.py runs every row's code on the CPU at a tiny size (not timed).
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 BATCH, WARMUP, STEPS, GEMM_N = 128, 3, 10, 8192
+# extra_rows' sizes: on the GPU (ViT-B-16) and the CPU test's tiny ones (tests/scale/test_gpu_rows.py)
+SIZES = {
+    "gpu": {"batch": BATCH, "workers": 6, "steps": 30, "skip": 5, "eval_images": 512, "sam_images": 3,
+            "sam_size": (1024, 768), "sam_points": 32, "lism_images": 64, "lism_boxes": 12},
+    "tiny": {"batch": 4, "workers": 1, "steps": 3, "skip": 1, "eval_images": 8, "sam_images": 1,
+             "sam_size": (256, 192), "sam_points": 2, "lism_images": 3, "lism_boxes": 3},
+}
 
 
 def cuda_ms(fn, reps: int) -> list[float]:
@@ -65,6 +89,158 @@ def method_step(name: str, model_dir, params: dict, log) -> dict:
     return row                                  # the trainer is freed on return; main() empties the cache
 
 
+def synchronize(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def end_to_end(model_dir, shards, size: dict, device: str, precision: str, log=print) -> dict:
+    """Our Trainer.fit vs open_clip_train, separate processes over the same shards (figure 1's runners)."""
+    from . import fig1_openclip as fig1
+
+    batch, workers, steps, skip = size["batch"], size["workers"], size["steps"], size["skip"]
+    ours = fig1.run_ours(model_dir, batch, workers, shards=shards, max_steps=steps, skip=skip, device=device,
+                         precision=precision)
+    theirs = fig1.run_openclip(model_dir, batch, workers, batch * steps, 0, shards=shards, skip=skip,
+                               device=device, precision=precision)
+    row = {"ours_samples_per_s": ours["median_sps"], "open_clip_train_samples_per_s": theirs["median_sps"],
+           "ratio": ours["median_sps"] / theirs["median_sps"], "ours": ours, "open_clip_train": theirs}
+    log(f"  gpu end to end: ours {row['ours_samples_per_s']:.0f}, open_clip_train "
+        f"{row['open_clip_train_samples_per_s']:.0f} samples/s ({row['ratio']:.2f}x)")
+    return row
+
+
+def loader_vs_step(model_dir, shards, size: dict, device: str, precision: str, log=print) -> dict:
+    """ShardLoader's samples/s over one epoch of the shards vs what `Trainer.train_step` consumes."""
+    import torch
+
+    from clipfinetune.data.loader import ExampleContext, ShardLoader
+    from clipfinetune.methods import build_method
+    from clipfinetune.models import load_model
+    from clipfinetune.train import DistInfo, TrainConfig, Trainer
+
+    from .fig2_methods import FixedSource
+
+    batch_size, workers = size["batch"], size["workers"]
+    model = load_model("local-dir:" + str(model_dir), device=device)
+    method = build_method("clip")
+    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+    loader = ShardLoader(shards, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
+    it = iter(loader.batches(0))
+    batch = next(it)                            # worker start-up and the first batch not counted
+    t0, n = time.perf_counter(), 0
+    for b in it:
+        n += b["image"].shape[0]
+    loader_sps = n / (time.perf_counter() - t0) if n else float("nan")
+    del it, loader
+    cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=1e-5, wd=0.1, grad_clip=1.0, precision=precision)
+    trainer = Trainer(method, model, FixedSource(None), cfg, dist=DistInfo(device=torch.device(device)))
+    batch = trainer._to_device(batch)
+    trainer.module.train()
+    trainer.train_step([batch])
+    synchronize(device)
+    times = []
+    for _ in range(size["steps"]):
+        t0 = time.perf_counter()
+        trainer.train_step([batch])
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    step_sps = batch_size / statistics.median(times)
+    log(f"  gpu loader: {loader_sps:.0f} samples/s ({workers} workers) vs the step's {step_sps:.0f}")
+    return {"loader_samples_per_s": loader_sps, "step_samples_per_s": step_sps, "ratio": loader_sps / step_sps,
+            "loader_samples": n, "workers": workers}
+
+
+def eval_images_per_s(model_dir, image_paths, size: dict, device: str, log=print) -> dict:
+    """The evaluation's image path (Encoder.images: decode, transform, fp32 forward) on `device`."""
+    from clipfinetune.eval.encode import Encoder
+    from clipfinetune.models import load_model
+
+    encoder = Encoder(load_model("local-dir:" + str(model_dir), device=device).eval(), batch_size=size["batch"])
+    encoder.images([(image_paths[0], None)])            # warm-up (a cached key: the timed ones are new)
+    keys = [(p, None) for p in image_paths[1:]]
+    t0 = time.perf_counter()
+    emb = encoder.images(keys)
+    synchronize(device)
+    rate = len(keys) / (time.perf_counter() - t0)
+    log(f"  gpu eval: {rate:.0f} images/s")
+    return {"images_per_s": rate, "images": len(keys), "embedding_dim": int(emb.shape[1])}
+
+
+def sam_seconds(size: dict, device: str, log=print) -> dict:
+    from .fig5_real import sam_seconds_per_image
+
+    out = sam_seconds_per_image(size["sam_images"], size["sam_size"], device, size["sam_points"])
+    out["median_seconds_per_image"] = statistics.median(out["seconds_per_image"])
+    log(f"  gpu SAM vit_b: {out['median_seconds_per_image']:.2f} s/image")
+    return out
+
+
+def lism_crops_per_s(model_dir, samples, size: dict, device: str, log=print) -> dict:
+    """`match_images` over (image, its captions, `lism_boxes` boxes each): candidates (image + crops) per second."""
+    import io
+    import random
+
+    from PIL import Image
+
+    from clipfinetune.data.prepare.lism import match_images
+    from clipfinetune.models import load_model
+
+    model = load_model("local-dir:" + str(model_dir), device=device).eval()
+    rng, jobs = random.Random(0), []
+    for _, jpg, record in samples[:size["lism_images"]]:
+        image = Image.open(io.BytesIO(jpg)).convert("RGB")
+        w, h = image.size
+        boxes = []
+        for _ in range(size["lism_boxes"]):
+            x, y = rng.uniform(0, w / 2), rng.uniform(0, h / 2)
+            boxes.append((x, y, x + rng.uniform(w / 8, w / 2), y + rng.uniform(h / 8, h / 2)))
+        jobs.append((image, record["captions"], boxes))
+    match_images(model, jobs[:1], size["batch"])                # warm-up
+    t0 = time.perf_counter()
+    matches = match_images(model, jobs, size["batch"])
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    crops = sum(1 + len(boxes) for _, _, boxes in jobs)
+    log(f"  gpu LISM: {crops / seconds:.0f} crops/s")
+    return {"crops_per_s": crops / seconds, "crops": crops, "images": len(jobs), "matched": len(matches)}
+
+
+def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=print) -> dict:
+    """Every row beyond the step table, over real-size shards written under `work`."""
+    from .fig5_real import real_samples, write_shards
+
+    n = size["batch"] * (size["steps"] + 2)
+    samples = real_samples(max(n, size["eval_images"] + 1, size["lism_images"]))
+    shards = write_shards(samples[:n], work / "shards", n_shards=max(size["workers"], 1))
+    images = work / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, jpg, _ in samples[:size["eval_images"] + 1]:
+        (images / f"{key}.jpg").write_bytes(jpg)
+        paths.append(str(images / f"{key}.jpg"))
+    return {"end_to_end": end_to_end(model_dir, shards, size, device, precision, log),
+            "loader": loader_vs_step(model_dir, shards, size, device, precision, log),
+            "eval": eval_images_per_s(model_dir, paths, size, device, log),
+            "sam": sam_seconds(size, device, log),
+            "lism": lism_crops_per_s(model_dir, samples, size, device, log)}
+
+
+def print_extra(extra: dict) -> None:
+    e2e, loader = extra["end_to_end"], extra["loader"]
+    print("| row | ours | reference | ratio | target |")
+    print("|---|---|---|---|---|")
+    print(f"| end to end, samples/s (vs open_clip_train) | {e2e['ours_samples_per_s']:.0f} | "
+          f"{e2e['open_clip_train_samples_per_s']:.0f} | {e2e['ratio']:.2f}x | >= 1.0x (aim 1.2x) |")
+    print(f"| loader vs step, samples/s | {loader['loader_samples_per_s']:.0f} | {loader['step_samples_per_s']:.0f} "
+          f"| {loader['ratio']:.2f}x | >= 1.1x |")
+    print(f"| eval, images/s | {extra['eval']['images_per_s']:.0f} | | | |")
+    print(f"| SAM vit_b, s/image | {extra['sam']['median_seconds_per_image']:.2f} | | | |")
+    print(f"| LISM, crops/s | {extra['lism']['crops_per_s']:.0f} | | | |")
+
+
 def main(log=print) -> int:
     import torch
 
@@ -92,4 +268,9 @@ def main(log=print) -> int:
     for r in rows:
         print(f"| {r['method']} | {r['ms_per_step']:.1f} | {r['samples_per_s']:.0f} | {r['tflops']:.0f} | "
               f"{r['tflops'] / peak:.0%} | {r['peak_gb']:.1f} |")
+    from .common import WORK
+
+    extra = extra_rows(model_dir, WORK / "gpu_rows", SIZES["gpu"], "cuda", "bf16", log)
+    print(f"ViT-B-16 bf16, batch {BATCH}, {SIZES['gpu']['workers']} loader workers, 640 x 480 JPEG shards")
+    print_extra(extra)
     return 0

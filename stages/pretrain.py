@@ -19,7 +19,9 @@ weights themselves are not a DVC dependency (the param is): after changing a fil
 
 Resumable: checkpoints/pretrain/last.pt (gitignored, not a DVC out) carries a fingerprint of the declared params,
 the stage's inputs and code; a killed run re-run with the same fingerprint resumes, anything else starts over.
-Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain`.
+Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain` (or `compute.nproc`). `pretrain.batch_size`
+is the GLOBAL batch, as `train.batch_size`: each of the N ranks takes 1/N of it (an error if N does not divide it),
+so steps and schedule do not depend on N; the label warm-up (the same on every rank) takes the whole batch.
 """
 from __future__ import annotations
 
@@ -59,7 +61,14 @@ def main() -> None:
 
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
-    from clipfinetune.train import TrainConfig, Trainer, cleanup, fingerprint, init_distributed
+    from clipfinetune.train import (
+        TrainConfig,
+        Trainer,
+        cleanup,
+        fingerprint,
+        init_distributed,
+        per_rank_batch_size,
+    )
     from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
     from clipfinetune.train.config import resolve_precision
     from clipfinetune.train.label_warmup import label_warmup
@@ -73,8 +82,10 @@ def main() -> None:
         group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
         warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
         region_text_weight = float(settings["region_text_weight"])
-        cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS},
-                          precision=resolve_precision(precision, dist.device, log))
+        global_batch = int(settings["batch_size"])       # pretrain.batch_size: the global batch, as train's
+        rank_batch = per_rank_batch_size(global_batch, dist.world_size, "pretrain.batch_size")
+        cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS and k != "batch_size"},
+                          batch_size=rank_batch, precision=resolve_precision(precision, dist.device, log))
         seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)
         records = [r for n, spec in sources.items() for r in read_source(n, spec)]
@@ -82,9 +93,9 @@ def main() -> None:
                                    dist.rank, dist.world_size, group_key=GROUP_KEY, group_share=group_share,
                                    label_key=LABEL_KEY if label_steps or region_text_weight else "",
                                    region_key=REGION_KEY if warmup_regions or region_text_weight else "")
-        log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d, %s on %s",
-                 name, len(source.image_ids), cfg.epochs, len(source), cfg.batch_size * dist.world_size,
-                 cfg.precision, dist.device)
+        log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d = %d rank(s) x %d "
+                 "per rank, %s on %s", name, len(source.image_ids), cfg.epochs, len(source), global_batch,
+                 dist.world_size, rank_batch, cfg.precision, dist.device)
         fp = fingerprint(params.stage, {"model": {"name": name, "pretrained": pretrained, "precision": precision},
                                         "pretrain": settings}, stage_inputs(params.stage), dist.world_size)
         check_ranks_agree(fp, dist)
@@ -94,13 +105,14 @@ def main() -> None:
         if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             label_warmup(model, source.images, source.labels, steps=label_steps,
-                         lr=float(settings["label_warmup_lr"]), batch_size=cfg.batch_size, warmup=cfg.warmup,
+                         lr=float(settings["label_warmup_lr"]), batch_size=global_batch, warmup=cfg.warmup,
                          wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
                          regions=source.regions if warmup_regions else None, precision=cfg.precision)
         trainer.fit()
         if dist.is_main:
             export_model(model, out)
-            write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size})
+            write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size,
+                                                  "global_batch": global_batch, "rank_batch": rank_batch})
             log.info("exported %s", out)
             if not settings["keep_checkpoint"]:
                 remove_checkpoints(ROOT / "checkpoints" / "pretrain")

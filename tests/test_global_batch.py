@@ -22,3 +22,9 @@ def test_nonpositive_numbers_are_refused():
         per_rank_batch_size(0, 1)
     with pytest.raises(ValueError):
         per_rank_batch_size(64, 0)
+
+
+def test_the_error_names_the_param_it_splits():
+    """pretrain's `pretrain.batch_size` is global too (stages/pretrain.py): its error names that param."""
+    with pytest.raises(ValueError, match=r"pretrain\.batch_size 30 .* 4 ranks"):
+        per_rank_batch_size(30, 4, "pretrain.batch_size")

@@ -3,7 +3,8 @@
 `batch_size` is the per-rank batch of ONE optimiser step. With `accum_steps = k` the loader yields micro-batches
 of `batch_size / k` and the loop accumulates k of them (open_clip's feature cache, see `loop.py`), so `k` is a
 memory knob that leaves the optimisation unchanged; the global batch is `batch_size * world_size`. The `train`
-stage's param `train.batch_size` is the GLOBAL batch (the papers' number): `per_rank_batch_size` splits it.
+stage's param `train.batch_size` (and pretrain's `pretrain.batch_size`) is the GLOBAL batch (the papers' number):
+`per_rank_batch_size` splits it.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class TrainConfig:
     epoch_samples: int = 0          # > 0: every epoch runs over a fixed seeded sample of that many units (loader.py)
     train_transform: str = "squash"  # squash (the model's eval resize) | random_resized_crop (open_clip's is_train)
     precision: str = "fp32"         # fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler: `resolve_precision`)
+    compile: bool = False           # torch.compile the (DDP-wrapped) model: its forward and backward (loop.py)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -48,6 +50,8 @@ class TrainConfig:
             raise ValueError(f"train_transform must be one of {TRAIN_TRANSFORMS}, got {self.train_transform!r}")
         if self.epoch_samples < 0:
             raise ValueError(f"epoch_samples must be >= 0 (0 = every unit), got {self.epoch_samples}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")  # noqa: TRY004  (as its siblings)
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("epochs and batch_size must be >= 1")
 
@@ -59,13 +63,13 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def per_rank_batch_size(global_batch: int, world_size: int) -> int:
+def per_rank_batch_size(global_batch: int, world_size: int, param: str = "train.batch_size") -> int:
     """Each rank's share of the global batch, so that steps per epoch and the schedule do not depend on the
-    number of ranks; an error naming both numbers when it does not divide."""
+    number of ranks; an error naming the param (`param`) and both numbers when it does not divide."""
     if global_batch < 1 or world_size < 1:
         raise ValueError(f"global batch {global_batch} and world size {world_size} must be >= 1")
     if global_batch % world_size:
-        raise ValueError(f"train.batch_size {global_batch} (the global batch) is not divisible by the {world_size} "
+        raise ValueError(f"{param} {global_batch} (the global batch) is not divisible by the {world_size} "
                          f"ranks: choose a multiple of {world_size} or another compute.nproc")
     return global_batch // world_size
 

@@ -21,6 +21,8 @@ it never changes this loop. What the loop decides:
   `NonFiniteLossError` (naming the step and the term), so the last checkpoint stays the last good one.
 - Then AdamW step, schedule step, logit scale(s) clamped to [0, ln 100] (open_clip; not for a method with
   `clamp_logit_scale = False`, GOAL), `method.after_step`.
+- `compile: true`: the DDP-wrapped model goes through `torch.compile` (forward and backward; the loss, the
+  optimiser and this loop stay eager). Off by default: the sample DAG computes eagerly, as before.
 - Checkpoints every `checkpoint_every` optimiser steps and at the end (`checkpoints/<run>/last.pt`, atomic). On
   start, a checkpoint with the same fingerprint is resumed (bit-exact on CPU); a different one is ignored (and
   overwritten by the first new checkpoint); an unreadable one is a clear error naming the file.
@@ -48,6 +50,9 @@ from .optim import build_optimizer, build_scheduler, parameter_groups
 
 log = logging.getLogger("clipfinetune.train")
 MAX_LOGIT_SCALE = math.log(100)
+# torch.compile's backend under `compile: true` (inductor: generated kernels; on the CPU it needs a C compiler). A
+# module constant, not a param: the tests set "aot_eager" (the same graph capture without code generation).
+COMPILE_BACKEND = "inductor"
 
 
 class BatchSource(Protocol):
@@ -88,6 +93,8 @@ class Trainer:
         self.step, self._rng, self._saved_step = 0, None, None
         self.resumed = self._resume()                       # before DDP: every rank loads the same state
         self.ddp = wrap_ddp(self.module, self.dist, method.find_unused_parameters)
+        if cfg.compile:        # after DDP, as PyTorch advises: its optimizer splits the graph at bucket boundaries
+            self.ddp = torch.compile(self.ddp, backend=COMPILE_BACKEND)
 
     # ------------------------------------------------------------------------------------------ the loop
     def fit(self) -> nn.Module:
