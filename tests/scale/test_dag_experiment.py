@@ -1,7 +1,8 @@
-"""The experiment flow on the tiny sample world (tests/test_dag.py runs the whole DAG; this adds an experiment): with
-two runs (clip, fsc_clip), `dvc exp run -S runs.fsc_clip.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip
-and report, and `dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and
-metrics/summary.json. Minutes on 2 cores: `make test-scale`."""
+"""The whole DAG with all 12 runs on the tiny sample world and the experiment flow (tests/test_dag.py runs five runs
+in `make test`): every run trains and is evaluated, the report carries its 12 claims with CIs;
+`dvc exp run -S runs.fsc_clip.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report, and
+`dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
+Minutes on 2 cores: `make test-scale`."""
 from __future__ import annotations
 
 import json
@@ -26,23 +27,34 @@ def _lock(repo) -> dict:
 @pytest.fixture(scope="module")
 def dag(tmp_path_factory):
     repo = copy_project(tmp_path_factory.mktemp("exp") / "project")
-    params = yaml.safe_load((repo / "params.yaml").read_text())
     write_params(repo, TINY)
-    with open(repo / "params.yaml") as f:                  # two runs: the baseline and the swept one
-        text = yaml.safe_load(f)
-    text["runs"] = {"clip": params["runs"]["clip"], "fsc_clip": params["runs"]["fsc_clip"]}
-    (repo / "params.yaml").write_text(yaml.safe_dump(text, sort_keys=False))
     _run(repo, "git", "init", "-q")
     _git_commit(repo, "tiny project")
-    _run(repo, "dvc", "repro")
+    stages = _run(repo, "dvc", "stage", "list", "--name-only").stdout.split()
+    first = RAN.findall(_run(repo, "dvc", "repro").stdout)
     _git_commit(repo, "baseline")
-    rec = {"lock_baseline": _lock(repo)}
+    rec = {"lock_baseline": _lock(repo), "stages": stages, "first_ran": first,
+           "summary": json.loads((repo / "metrics" / "summary.json").read_text())}
     exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "runs.fsc_clip.lambda_l=0.2")
     rec["exp_ran"] = RAN.findall(exp.stdout)
     rec["lock_exp"] = _lock(repo)
     rec["metrics_diff"] = json.loads(_run(repo, "dvc", "metrics", "diff", "--json", "HEAD").stdout)
     rec["exp_diff"] = json.loads(_run(repo, "dvc", "exp", "diff", "--json", "HEAD", "l02").stdout)
     return rec
+
+
+def test_every_run_trains_and_the_report_carries_its_12_claims(dag):
+    assert sorted(dag["first_ran"]) == sorted(dag["stages"])
+    # 12 fine-tuning runs (clip, 5 methods, 5 ablations, custom); 13 evaluated models (those + base)
+    assert len([s for s in dag["stages"] if s.startswith("train@")]) == 12
+    assert len([s for s in dag["stages"] if s.startswith("eval@")]) == 12 and "eval_base" in dag["stages"]
+    summary = dag["summary"]
+    assert summary["missing_models"] == [] and summary["missing_items"] == []
+    claims = [c for cs in summary["claims"].values() for c in cs.values()]
+    assert len(claims) == 12
+    for c in claims:                      # every claim carries its CI and a verdict
+        assert c["verdict"] in {"holds", "contradicted", "inconclusive", "saturated"}, c
+        assert c["ci_low"] <= c["difference"] + 1e-9 and c["difference"] <= c["ci_high"] + 1e-9, c
 
 
 def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):
