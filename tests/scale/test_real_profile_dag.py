@@ -110,7 +110,7 @@ def test_data_stages_read_the_real_layouts(real):
     assert (lism["n_train_images"], lism["n_test_images"]) == (counts["docci_train"], counts["docci_test"])
     assert lism["other_splits"] == {"qual_dev": 1, "qual_test": 1} and not lism["skipped"]
     assert _json(real["repo"] / "metrics" / "lism.json")["lism"]["n_images"] == counts["docci_train"]   # no truth
-    test_list = _json(prepared / "global_local" / "test.json")
+    test_list = _json(real["repo"] / "data" / "evalsets" / "global_local" / "test.json")
     assert len(test_list) == 2 * counts["docci_test"]
     shards = _json(real["repo"] / "data" / "shards" / "meta.json")
     assert shards["samples_train"] + shards["samples_val"] == counts["coco_train_images"] + counts["docci_train"]
