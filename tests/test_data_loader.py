@@ -87,6 +87,23 @@ def test_exact_resume_with_workers(shards):
         assert same(run(fresh, 2, start=k), full[k:])                  # a restarted process resumes exactly
 
 
+def test_a_worker_seeds_torch_from_each_examples_rng(shards):
+    """The documented rule (module docstring): the worker's n-th sample gets rng = Random("seed:epoch:rank:worker:n")
+    and its first draw, getrandbits(63), seeds torch's CPU generator before make_example; so an augmentation's
+    torch draws are a function of the sample's position (what resume and the sample DAG's bytes rely on)."""
+    seed, epoch = 5, 1
+    expected = {}                                   # the example's rng.random() (its 2nd draw) -> its torch draw
+    for worker in (0, 1):
+        for n in range(1, 400):
+            rng = random.Random(f"{seed}:{epoch}:0:{worker}:{n}")
+            gen = torch.Generator().manual_seed(rng.getrandbits(63))
+            expected[rng.random()] = torch.rand(3, generator=gen)
+    loader = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=seed, num_workers=2)
+    examples = [(d, p) for _, draws, pixels in run(loader, epoch) for d, p in zip(draws, pixels)]
+    assert len(examples) == 3 * len(loader)
+    assert all(torch.equal(p, expected[d]) for d, p in examples)
+
+
 def test_method_filter_is_counted_and_sizes_the_epoch(shards):
     docci = {k for k, r in records(shards, "train").items() if r["source"] == "docci"}
     loader = ShardLoader(shards, "train", StubMethod("goal_like", source="docci"), CTX, batch_size=2)

@@ -163,32 +163,31 @@ def iter_shard_records(path: str) -> Iterator[tuple[str, dict]]:
                 yield m.name[:-len(".json")], json.loads(tf.extractfile(m).read())
 
 
-def count_wanted(paths: list[str], method) -> tuple[list[int], list[int], tuple[str, str] | None]:
-    """Per shard: (samples, samples the method wants), and (shard, key) of the first wanted sample."""
-    totals, wanted, first = [], [], None
+def count_shards(paths: list[str], method, units: bool = False) -> dict:
+    """One read of the shards' json members: per shard the samples ("totals"), the samples the method wants
+    ("wanted") and, with `units`, the method's `units` summed over those ("units"); "most_units" (the most one
+    record holds) and "first" ((shard, key) of the first wanted sample)."""
+    out = {"totals": [], "wanted": [], "units": [], "most_units": 0, "first": None}
     for p in paths:
-        n = w = 0
+        n = w = k = 0
         for key, rec in iter_shard_records(p):
             n += 1
             if method.wants(rec):
                 w += 1
-                first = first or (p, key)
-        totals.append(n)
-        wanted.append(w)
-    return totals, wanted, first
+                out["first"] = out["first"] or (p, key)
+                if units:
+                    u = method.units(rec)
+                    k, out["most_units"] = k + u, max(out["most_units"], u)
+        out["totals"].append(n)
+        out["wanted"].append(w)
+        out["units"].append(k)
+    return out
 
 
-def count_units(paths: list[str], method) -> tuple[list[int], int]:
-    """Per shard: the method's `units` summed over the records it wants; and the most units one record holds."""
-    per_shard, most = [], 0
-    for p in paths:
-        n = 0
-        for _, rec in iter_shard_records(p):
-            if method.wants(rec):
-                k = method.units(rec)
-                n, most = n + k, max(most, k)
-        per_shard.append(n)
-    return per_shard, most
+def count_wanted(paths: list[str], method) -> tuple[list[int], list[int], tuple[str, str] | None]:
+    """Per shard: (samples, samples the method wants), and (shard, key) of the first wanted sample."""
+    c = count_shards(paths, method)
+    return c["totals"], c["wanted"], c["first"]
 
 
 def sample_units(paths: list[str], method, n: int, seed: int, per_unit: bool) -> frozenset[str]:
@@ -381,7 +380,10 @@ class _EpochStream(IterableDataset):
                 continue
             rng = _seeded(cfg["seed"], self.epoch, rank, worker, n)
             if in_worker:   # torch draws (random augmentations) become a function of the sample's position too
-                torch.manual_seed(rng.getrandbits(63))
+                # the CPU generator only: torch.manual_seed also queues lazy CUDA/XPU/MPS seeding, each with a
+                # traceback.format_stack() (~0.1 ms per call, half a worker's CPU on small images); a loader
+                # worker draws from the CPU generator alone, whose state is the same either way
+                torch.default_generator.manual_seed(rng.getrandbits(63))
             batch.append(method.make_example(rec, image, rng, ctx))
             if len(batch) == bs:
                 yield {"batch": default_collate(batch), "stats": dict(stats)}
@@ -419,7 +421,9 @@ class ShardLoader:
         self.world_size = env_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        totals, wanted, _ = count_wanted(self.paths, method)
+        unit_mode = epoch_unit == "method" and method.epoch_unit != "image"
+        counts = count_shards(self.paths, method, units=unit_mode)     # one read of the json members for both
+        totals, wanted = counts["totals"], counts["wanted"]
         self.num_samples, self.num_wanted = sum(totals), sum(wanted)
         self.shard_wanted = dict(zip(self.paths, wanted))
         if self.num_wanted == 0:
@@ -429,8 +433,7 @@ class ShardLoader:
         self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
         self.num_units = self.num_wanted
         if self.epoch_unit != "image":
-            shard_units, unit_passes = count_units(self.paths, method)
-            self.num_units = sum(shard_units)
+            self.num_units, unit_passes = sum(counts["units"]), counts["most_units"]
             log.info("epoch unit %s: %d units in the %d wanted samples (up to %d in one)", self.epoch_unit,
                      self.num_units, self.num_wanted, unit_passes)
         subset = None
