@@ -13,7 +13,7 @@ server itself, see `vllm_cpu_figure`).
 
     python -m benchmarks.fig6_negatives --requests 200000 --in-flight 256
     python -m benchmarks --only 6
-    python -m benchmarks.fig6_negatives --vllm-cpu --requests 256     # 8 vs 64 in flight, real vLLM on CPU
+    python -m benchmarks.fig6_negatives --vllm-cpu     # 8 vs 64 in flight, real vLLM on CPU (256 requests each)
 """
 from __future__ import annotations
 
@@ -238,7 +238,8 @@ def figure(log=print, n_requests: int = 200_000, in_flight: int = 256) -> list[R
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fig6_negatives", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=200_000)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per measurement (default 200,000 against the stub, 256 against vLLM)")
     ap.add_argument("--in-flight", type=int, default=256)
     ap.add_argument("--cache", action="store_true", help="also append every answer to an AnswerCache (tmp dir)")
     ap.add_argument("--vllm", default="", metavar="BASE_URL", help="against a running vLLM server: 8 vs 64 in flight")
@@ -253,6 +254,8 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.requests is None:         # a CPU vLLM answers ~10-40 req/s: 200,000 would take hours
+        args.requests = 256 if args.vllm_cpu or args.vllm else 200_000
     if args.vllm_cpu:
         print(json.dumps(vllm_cpu_figure(args.requests, log=log), indent=1))
         return 0
