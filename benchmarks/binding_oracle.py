@@ -10,13 +10,17 @@ betas, eps, grad clip, precision, seed; the same `Trainer`) on the COCO-style tr
              other half a caption of their own; plain CLIP loss (isolates the captions from the negatives);
 - `oracle`:  as `binding`, plus each binding caption's ground-truth negative (its colours swapped between the two
              objects, or its two objects swapped around the relation; false for the image by construction) as an
-             extra text column of the image-to-text softmax (NegCLIP's hard negatives).
+             extra text column of the image-to-text softmax (NegCLIP's hard negatives);
+- `oracle_pair` (not run by default): `oracle` plus a 2-way term per image, its caption against its own negative
+             (weight 1), the hard-negative term of FSC-CLIP / DeGLA in its plainest form.
 
 No SugarCrepe test case is used for training: the makers run on the train split's scenes, the test cases are the
 val split's. Each model is then scored by the suite (`evaluate_model`) on SugarCrepe, zero-shot, box classification
 and retrieval, and two diagnostics are printed:
 - text side: the mean cosine between a swap_att case's caption and its negative (1 = the text tower cannot tell
   them apart, so no image can);
+- train pairs: how often a training scene's first binding caption outscores its own negative on that image (what
+  the oracle fits; 50 = not even its training pairs);
 - image side: a linear probe on the frozen image embedding, trained on the train scenes to score each (colour,
   shape) conjunction present, tested on the SugarCrepe swap_att cases' images: how often the two true conjunctions
   outscore the two swapped ones (50 = the embedding carries the bag of colours and shapes, not who has which).
@@ -127,9 +131,9 @@ class NegClipLoss(nn.Module):
     """Symmetric InfoNCE; with negatives, each image's row also scores every valid ground-truth negative of the
     batch (NegCLIP, Yuksekgonul et al. 2023: hard negative texts appended to the image-to-text softmax)."""
 
-    def __init__(self, negatives: bool):
+    def __init__(self, negatives: bool, pair_weight: float = 0.0):
         super().__init__()
-        self.negatives = negatives
+        self.negatives, self.pair_weight = negatives, pair_weight
 
     def forward(self, f: dict) -> dict[str, torch.Tensor]:
         image, text, scale = f["image"], f["text"], f["logit_scale"]
@@ -139,21 +143,27 @@ class NegClipLoss(nn.Module):
             neg = (scale * image @ f["neg_text"].T).masked_fill(~f["neg_valid"][None, :], float("-inf"))
             i2t = torch.cat([i2t, neg], dim=1)
         t2i = scale * text @ image.T
-        return {"contrastive": (F.cross_entropy(i2t, labels) + F.cross_entropy(t2i, labels)) / 2}
+        terms = {"contrastive": (F.cross_entropy(i2t, labels) + F.cross_entropy(t2i, labels)) / 2}
+        valid = f["neg_valid"]
+        if self.pair_weight and bool(valid.any()):     # each image: its caption vs its own negative, 2-way
+            pair = scale * torch.stack([(image * text).sum(1), (image * f["neg_text"]).sum(1)], dim=1)[valid]
+            terms["pair"] = self.pair_weight * F.cross_entropy(pair, torch.zeros(len(pair), dtype=torch.long,
+                                                                                 device=pair.device))
+        return terms
 
 
 class ProbeMethod(ClipMethod):
     name = "binding_probe"
 
-    def __init__(self, negatives: bool):
+    def __init__(self, negatives: bool, pair_weight: float = 0.0):
         super().__init__()
-        self.negatives = negatives
+        self.negatives, self.pair_weight = negatives, pair_weight
 
     def build(self, model) -> nn.Module:
         return NegFeatures(model, self.negatives)
 
     def loss(self) -> nn.Module:
-        return NegClipLoss(self.negatives)
+        return NegClipLoss(self.negatives, self.pair_weight)
 
 
 @torch.no_grad()
@@ -225,7 +235,16 @@ def swap_case_conjunctions(sample: Path, val: dict[str, Scene]) -> tuple[list[st
     return files, keys
 
 
-def diagnostics(model, root: Path, train_images, train_scenes, normalize) -> dict:
+def train_pair_accuracy(model, train_images, pairs, normalize) -> float:
+    """% of the train scenes' first binding pair whose caption outscores its negative on the scene's own image: the
+    oracle's fit of what it trains on (vs the held-out swap_att of the suite)."""
+    rows = [i for i, p in enumerate(pairs) if p]
+    image = embed_images(model, train_images[rows], normalize)
+    pos, neg = (embed_texts(model, [pairs[i][0][k] for i in rows]) for k in (0, 1))
+    return 100 * float(((image * pos).sum(1) > (image * neg).sum(1)).float().mean())
+
+
+def diagnostics(model, root: Path, train_images, train_scenes, normalize, pairs) -> dict:
     from clipfinetune.sample.vocab import COLOUR_NAMES, SHAPE_NAMES
 
     sample = root / "data" / "sample"
@@ -237,7 +256,8 @@ def diagnostics(model, root: Path, train_images, train_scenes, normalize) -> dic
     train_x = embed_images(model, train_images, normalize)
     vocab = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES]
     return {"swap_att_text_cosine": float((pos * neg).sum(1).mean()),
-            "image_probe_swap_att": conjunction_probe(train_x, train_scenes, test_x, keys, vocab)}
+            "image_probe_swap_att": conjunction_probe(train_x, train_scenes, test_x, keys, vocab),
+            "train_pairs": train_pair_accuracy(model, train_images, pairs, normalize)}
 
 
 def load_images(folder: Path, files: list[str], model) -> torch.Tensor:
@@ -313,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
         "same_bag_partners_train": same_bag_pairs(train_scenes),
         "same_bag_partners_pretrain": same_bag_pairs(pre),
         "regime": {k: train[k] for k in ("epochs", "batch_size", "lr", "warmup", "wd", "seed")}}}
-    results["base"] = {**evaluate(base, root, 128), **diagnostics(base, root, images, train_scenes, normalize)}
+    results["base"] = {**evaluate(base, root, 128), **diagnostics(base, root, images, train_scenes, normalize, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
         seed_everything(int(train["seed"]))
@@ -327,11 +347,12 @@ def main(argv: list[str] | None = None) -> dict:
         source = ProbeSource(images, normalize, [caps[f] for f in files],
                              pairs if variant != "clip" else [[] for _ in files], model.tokenize,
                              cfg.batch_size, cfg.seed, BINDING_SHARE)
-        trainer = Trainer(ProbeMethod(negatives=variant == "oracle"), model, source, cfg, desc=variant,
+        method = ProbeMethod(negatives=variant.startswith("oracle"), pair_weight=1.0 if variant == "oracle_pair" else 0)
+        trainer = Trainer(method, model, source, cfg, desc=variant,
                           dist=DistInfo(device=device))
         trainer.fit()
         results[variant] = {"steps": trainer.step, **evaluate(model, root, 128),
-                            **diagnostics(model, root, images, train_scenes, normalize)}
+                            **diagnostics(model, root, images, train_scenes, normalize, pairs)}
         print(variant, json.dumps(results[variant]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -78,6 +78,11 @@ def test_negclip_loss_matches_a_float64_reference():
         col = [7.0 * tx[i] @ im[j] for j in range(5)]          # caption i against every image
         total += -(col[i] - np.log(np.exp(col).sum())) / 5 / 2
     assert float(got) == pytest.approx(total, rel=1e-5)
+    pair = NegClipLoss(negatives=True, pair_weight=0.5)({"image": image, "text": text, "neg_text": neg,
+                                                         "neg_valid": valid, "logit_scale": scale})
+    ref = [-np.log(1 / (1 + np.exp(7.0 * im[i] @ ng[i] - 7.0 * im[i] @ tx[i]))) for i in range(5) if valid[i]]
+    assert float(pair["pair"]) == pytest.approx(0.5 * np.mean(ref), rel=1e-5)
+    assert float(pair["contrastive"]) == pytest.approx(total, rel=1e-5)
     plain = NegClipLoss(negatives=False)({"image": image, "text": text, "neg_text": neg, "neg_valid": valid,
                                           "logit_scale": scale})["contrastive"]
     assert float(plain) < float(got)        # hard negatives only add mass to the denominators

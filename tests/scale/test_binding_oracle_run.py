@@ -28,10 +28,10 @@ def test_the_probe_trains_and_scores_every_variant(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert results["setup"]["train_images"] == 130 and results["setup"]["with_binding_pairs"] > 60
     keys = set(binding_oracle.THRESHOLDS) | set(binding_oracle.TARGETS) | {"swap_att_text_cosine",
-                                                                           "image_probe_swap_att"}
+                                                                           "image_probe_swap_att", "train_pairs"}
     for name in ("base", "clip", "binding", "oracle"):
         assert keys <= set(results[name]), name
         assert all(0 <= results[name][k] <= 100 for k in binding_oracle.TARGETS)
-        assert -1 <= results[name]["swap_att_text_cosine"] <= 1
+        assert -1 <= results[name]["swap_att_text_cosine"] <= 1 and 0 <= results[name]["train_pairs"] <= 100
     assert {results[v]["steps"] for v in ("clip", "binding", "oracle")} == {130 // 32}
     shutil.rmtree(tmp_path / "data")
