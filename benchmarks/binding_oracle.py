@@ -54,6 +54,7 @@ from clipfinetune.sample.scene import Obj, Scene
 THRESHOLDS = {"zeroshot.shape.acc1": 90, "zeroshot.sample.acc1": 60, "box_cls.sample.top1": 70,
               "retrieval.sample.i2t_r1": 30, "compositionality.sugarcrepe.sample.replace_obj": 75}
 TARGETS = {"compositionality.sugarcrepe.sample.swap_att": 75, "compositionality.sugarcrepe.sample.swap_obj": 70}
+EVAL_TASKS = ("retrieval", "box_cls", "sugarcrepe", "zeroshot")
 BINDING_SHARE = 0.5           # share of images whose caption of the epoch is a binding one (where the scene has one)
 MAKERS = (compositional.swap_att, compositional.swap_obj)
 
@@ -219,7 +220,7 @@ def same_bag_pairs(scenes: list[Scene]) -> tuple[int, int]:
     return partnered, pairs
 
 
-def swap_case_conjunctions(sample: Path, val: dict[str, Scene]) -> tuple[list[str], list[tuple]]:
+def swap_case_conjunctions(sample: Path) -> tuple[list[str], list[tuple]]:
     """SugarCrepe swap_att cases -> (image file, (true a, true b, swapped a, swapped b) conjunction keys)."""
     from clipfinetune.sample.vocab import COLOUR_NAMES, SHAPE_NAMES
 
@@ -235,11 +236,12 @@ def swap_case_conjunctions(sample: Path, val: dict[str, Scene]) -> tuple[list[st
     return files, keys
 
 
-def train_pair_accuracy(model, train_images, pairs, normalize) -> float:
-    """% of the train scenes' first binding pair whose caption outscores its negative on the scene's own image: the
-    oracle's fit of what it trains on (vs the held-out swap_att of the suite)."""
+def train_pair_accuracy(model, train_x: torch.Tensor, pairs) -> float:
+    """% of the train scenes' first binding pair whose caption outscores its negative on the scene's own image
+    (`train_x`: the train images' embeddings): the oracle's fit of what it trains on (vs the suite's held-out
+    swap_att)."""
     rows = [i for i, p in enumerate(pairs) if p]
-    image = embed_images(model, train_images[rows], normalize)
+    image = train_x[rows]
     pos, neg = (embed_texts(model, [pairs[i][0][k] for i in rows]) for k in (0, 1))
     return 100 * float(((image * pos).sum(1) > (image * neg).sum(1)).float().mean())
 
@@ -250,14 +252,13 @@ def diagnostics(model, root: Path, train_images, train_scenes, normalize, pairs)
     sample = root / "data" / "sample"
     cases = list(json.loads((sample / "sugarcrepe" / "swap_att.json").read_text()).values())
     pos, neg = embed_texts(model, [c["caption"] for c in cases]), embed_texts(model, [c["negative_caption"] for c in cases])
-    val = read_scenes(sample, "val")
-    files, keys = swap_case_conjunctions(sample, val)
+    files, keys = swap_case_conjunctions(sample)
     test_x = embed_images(model, load_images(sample / "images" / "val", files, model), normalize)
     train_x = embed_images(model, train_images, normalize)
     vocab = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES]
     return {"swap_att_text_cosine": float((pos * neg).sum(1).mean()),
             "image_probe_swap_att": conjunction_probe(train_x, train_scenes, test_x, keys, vocab),
-            "train_pairs": train_pair_accuracy(model, train_images, pairs, normalize)}
+            "train_pairs": train_pair_accuracy(model, train_x, pairs)}
 
 
 def load_images(folder: Path, files: list[str], model) -> torch.Tensor:
@@ -269,18 +270,18 @@ def load_images(folder: Path, files: list[str], model) -> torch.Tensor:
     return torch.stack([to_pixels(Image.open(folder / f).convert("RGB")) for f in files])
 
 
-def evaluate(model, root: Path, batch_size: int) -> dict:
+def rooted(spec: dict, root: Path) -> dict:
+    """A params mapping of paths (relative to the workspace) with every string value under `root`."""
+    return {k: rooted(v, root) if isinstance(v, dict) else str(root / v) if isinstance(v, str) else v
+            for k, v in spec.items()}
+
+
+def evaluate(model, root: Path, benchmarks: dict, batch_size: int) -> dict:
+    """The suite on params.yaml's `eval.benchmarks` sets of the tasks the probe reports (EVAL_TASKS)."""
     from clipfinetune.eval.suite import evaluate_model
 
-    sample = root / "data" / "sample"
-    benchmarks = {
-        "retrieval": {"sample": {"karpathy": str(sample / "karpathy/dataset_coco.json"), "images": str(sample / "images")}},
-        "box_cls": {"sample": {"instances": str(sample / "box_cls/instances_shape.json"),
-                               "images": str(sample / "images/val")}},
-        "sugarcrepe": {"sample": {"dir": str(sample / "sugarcrepe"), "images": str(sample / "images/val")}},
-        "zeroshot": {"sample": {"dir": str(sample / "zeroshot/shape_color")}, "shape": {"dir": str(sample / "zeroshot/shape")}},
-    }
-    metrics = evaluate_model(model.eval(), benchmarks, batch_size)
+    sets = {task: rooted(benchmarks[task], root) for task in EVAL_TASKS}
+    metrics = evaluate_model(model.eval(), sets, batch_size)
     flat = {}
     for key in list(THRESHOLDS) + list(TARGETS) + ["compositionality.sugarcrepe.sample.mean",
                                                    "compositionality.sugarcrepe.sample.replace_att"]:
@@ -294,9 +295,10 @@ def evaluate(model, root: Path, batch_size: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import yaml
 
+    from clipfinetune.data.readers import read_source
     from clipfinetune.distributed import DistInfo
     from clipfinetune.models import load_model
-    from clipfinetune.train import TrainConfig, Trainer
+    from clipfinetune.train import TrainConfig, Trainer, merge_train_settings
     from clipfinetune.train.checkpoint import seed_everything
     from clipfinetune.train.config import resolve_precision
     from clipfinetune.train.sources import split_normalize
@@ -312,46 +314,42 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     root = Path(args.root)
     sample = root / "data" / "sample"
-    train = yaml.safe_load((root / "params.yaml").read_text())["train"]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    shared = {k: v for k, v in params["train"].items() if k != "keep_checkpoint" and not isinstance(v, dict)}
+    train, _ = merge_train_settings(shared, params["train"].get("clip"))     # the plain run's regime
+    train.update(epochs=args.epochs or train["epochs"], lr=args.lr or train["lr"])
     t0 = time.perf_counter()
     device = torch.device(args.device)
     base = load_model(f"local-dir:{root / args.base}", device=device)
-    _, normalize = split_normalize(base.transform)
+    to_pixels, normalize = split_normalize(base.transform)
     scenes = read_scenes(sample, "train")
-    coco = json.loads((sample / "annotations" / "captions_train.json").read_text())
-    by_id = {im["id"]: im["file_name"] for im in coco["images"]}
-    files = sorted(scenes)
-    caps: dict[str, list[str]] = {f: [] for f in files}
-    for a in coco["annotations"]:
-        caps[by_id[a["image_id"]]].append(a["caption"])
-    images = load_images(sample / "images" / "train", files, base)
-    train_scenes = [scenes[f] for f in files]
+    records = sorted(read_source("coco", rooted(params["sources"]["coco"], root) | {"reader": "coco"}),
+                     key=lambda r: Path(r.image).name)
+    captions = [list(r.captions) for r in records]
+    images = torch.stack([to_pixels(r.read_image()) for r in records])
+    train_scenes = [scenes[Path(r.image).name] for r in records]
     pairs = [binding_pairs(sc, seed=i) for i, sc in enumerate(train_scenes)]
     pre = list(read_scenes(sample, "pretrain").values())
     results = {"setup": {
-        "train_images": len(files), "with_binding_pairs": sum(bool(p) for p in pairs),
+        "train_images": len(records), "with_binding_pairs": sum(bool(p) for p in pairs),
         "same_bag_partners_train": same_bag_pairs(train_scenes),
         "same_bag_partners_pretrain": same_bag_pairs(pre),
         "regime": {k: train[k] for k in ("epochs", "batch_size", "lr", "warmup", "wd", "seed")}}}
-    results["base"] = {**evaluate(base, root, 128), **diagnostics(base, root, images, train_scenes, normalize, pairs)}
+    benchmarks = params["eval"]["benchmarks"]
+    results["base"] = {**evaluate(base, root, benchmarks, 128), **diagnostics(base, root, images, train_scenes, normalize, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
-        seed_everything(int(train["seed"]))
+        cfg = TrainConfig(**train, precision=resolve_precision(params["model"]["precision"], device))
+        seed_everything(cfg.seed)
         model = load_model(f"local-dir:{root / args.base}", device=device)
-        cfg = TrainConfig(epochs=args.epochs or int(train["epochs"]), batch_size=int(train["batch_size"]),
-                          lr=args.lr or float(train["lr"]), warmup=int(train["warmup"]), wd=float(train["wd"]),
-                          beta1=float(train["beta1"]), beta2=float(train["beta2"]), eps=float(train["eps"]),
-                          grad_clip=float(train["grad_clip"]), seed=int(train["seed"]),
-                          precision=resolve_precision(yaml.safe_load((root / "params.yaml").read_text())
-                                                      ["model"]["precision"], device, None))
-        source = ProbeSource(images, normalize, [caps[f] for f in files],
-                             pairs if variant != "clip" else [[] for _ in files], model.tokenize,
+        source = ProbeSource(images, normalize, captions, pairs if variant != "clip" else [[] for _ in records],
+                             model.tokenize,
                              cfg.batch_size, cfg.seed, BINDING_SHARE)
         method = ProbeMethod(negatives=variant.startswith("oracle"), pair_weight=1.0 if variant == "oracle_pair" else 0)
         trainer = Trainer(method, model, source, cfg, desc=variant,
                           dist=DistInfo(device=device))
         trainer.fit()
-        results[variant] = {"steps": trainer.step, **evaluate(model, root, 128),
+        results[variant] = {"steps": trainer.step, **evaluate(model, root, benchmarks, 128),
                             **diagnostics(model, root, images, train_scenes, normalize, pairs)}
         print(variant, json.dumps(results[variant]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:

@@ -421,8 +421,8 @@ class ShardLoader:
         self.world_size = env_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        unit_mode = epoch_unit == "method" and method.epoch_unit != "image"
-        counts = count_shards(self.paths, method, units=unit_mode)     # one read of the json members for both
+        self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
+        counts = count_shards(self.paths, method, units=self.epoch_unit != "image")   # one read for both counts
         totals, wanted = counts["totals"], counts["wanted"]
         self.num_samples, self.num_wanted = sum(totals), sum(wanted)
         self.shard_wanted = dict(zip(self.paths, wanted))
@@ -430,7 +430,6 @@ class ShardLoader:
             raise InputError(shards_dir, split, f"method {method.name!r} wants none of the {self.num_samples} samples")
         log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
                  self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
-        self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
         self.num_units = self.num_wanted
         if self.epoch_unit != "image":
             self.num_units, unit_passes = sum(counts["units"]), counts["most_units"]
