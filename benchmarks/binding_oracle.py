@@ -49,7 +49,7 @@ from torch import nn
 
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
-from clipfinetune.sample.scene import Obj, Scene
+from clipfinetune.sample.scene import Scene
 
 THRESHOLDS = {"zeroshot.shape.acc1": 90, "zeroshot.sample.acc1": 60, "box_cls.sample.top1": 70,
               "retrieval.sample.i2t_r1": 30, "compositionality.sugarcrepe.sample.replace_obj": 75}
@@ -66,9 +66,7 @@ def read_scenes(sample: Path, split: str) -> dict[str, Scene]:
         rec = json.loads(line)
         if rec["split"] != split:
             continue
-        objs = [Obj(shape=o["shape"], colour=o["colour"], size=o["size"], rgb=tuple(o["rgb"]), cx=o["cx"],
-                    cy=o["cy"], radius=o["radius"], angle=o["angle"], bbox=o["bbox"]) for o in rec["objects"]]
-        out[Path(rec["image"]).name] = Scene(rec["image_id"], rec["size"], rec["background"], objs)
+        out[Path(rec["image"]).name] = Scene.from_record(rec)
     return out
 
 

@@ -244,3 +244,14 @@ def test_stage_reads_exactly_the_declared_sample_params():
     from clipfinetune.sample import WorldConfig
 
     assert declared == set(params) == set(WorldConfig.__dataclass_fields__)
+
+
+def test_scene_records_read_back_as_the_scenes_written():
+    from clipfinetune.sample.scene import Scene
+
+    for rec in scenes(tiny_world()).values():
+        scene = Scene.from_record(rec)
+        assert len(scene.objects) == len(rec["objects"]) > 0
+        assert [(o.colour, o.shape, list(o.rgb), o.bbox) for o in scene.objects] == \
+            [(o["colour"], o["shape"], o["rgb"], o["bbox"]) for o in rec["objects"]]
+        assert {"image": rec["image"], "split": rec["split"], **scene.record()} == rec

@@ -56,6 +56,13 @@ class Scene:
                  "cy": o.cy, "radius": o.radius, "angle": o.angle, "bbox": o.bbox} for o in self.objects]
         return {"image_id": self.image_id, "size": self.size, "background": self.background, "objects": objs}
 
+    @classmethod
+    def from_record(cls, rec: dict) -> Scene:
+        """The inverse of `record` (a line of scenes.jsonl): polygons and the background's RGB are not recorded."""
+        objs = [Obj(shape=o["shape"], colour=o["colour"], size=o["size"], rgb=tuple(o["rgb"]), cx=o["cx"], cy=o["cy"],
+                    radius=o["radius"], angle=o["angle"], bbox=o["bbox"]) for o in rec["objects"]]
+        return cls(rec["image_id"], rec["size"], rec["background"], objs)
+
 
 # ---------------------------------------------------------------- geometry
 
