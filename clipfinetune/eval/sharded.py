@@ -36,6 +36,8 @@ class RecordingEncoder(Encoder):
     vectors (deterministic per key), so the suite runs through without a forward. `tag`: which model (the
     evaluated one or the box-classification text model)."""
 
+    placeholder = True
+
     def __init__(self, model, batch_size: int, tag: str, plan: list, dim: int):
         super().__init__(model, batch_size)
         self.tag, self.plan, self.dim = tag, plan, dim
