@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.binding_oracle import NegClipLoss, ProbeSource, binding_pairs, read_scenes, same_bag_pairs
+from benchmarks.binding_oracle import (
+    NegClipLoss,
+    ProbeSource,
+    binding_pairs,
+    clip_regime,
+    read_scenes,
+    same_bag_pairs,
+)
 from clipfinetune.sample.scene import OPPOSITE, holds
 from clipfinetune.sample.vocab import COLOUR_NAMES, RELATIONS, SHAPE_NAMES
 from clipfinetune.sample.world import WorldConfig, generate_world
@@ -113,3 +120,11 @@ def test_same_bag_pairs_counts_rebound_partners(train_scenes):
               scene(("red", "star"), ("blue", "ring")), scene(("red", "star"), ("green", "ring"))]
     assert same_bag_pairs(scenes) == (3, 2)      # images 0, 1, 2 share a bag; 1 is bound differently from 0 and 2
     assert json.dumps(same_bag_pairs(train_scenes))      # a plain pair of ints
+
+
+def test_probe_regime_is_the_shared_settings_with_clips_group_and_a_stray_group_raises():
+    shared = {"epochs": 2, "batch_size": 64, "lr": 2e-4, "warmup": 10, "seed": 0}
+    train = {**shared, "keep_checkpoint": False, "clip": {"lr": 1e-4}, "fsc_clip": {"lr": 5e-6}, "mulclip": {}}
+    assert clip_regime(train) == {**shared, "lr": 1e-4}
+    with pytest.raises(ValueError, match=r"\['fsc-clip'\] are no method's"):
+        clip_regime({**train, "fsc-clip": {"lr": 1.0}})        # a misspelt group is not skipped silently
