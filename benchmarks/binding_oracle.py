@@ -51,6 +51,8 @@ from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
 
+from .common import run_regime
+
 THRESHOLDS = {"zeroshot.shape.acc1": 90, "zeroshot.sample.acc1": 60, "box_cls.sample.top1": 70,
               "retrieval.sample.i2t_r1": 30, "compositionality.sugarcrepe.sample.replace_obj": 75}
 TARGETS = {"compositionality.sugarcrepe.sample.swap_att": 75, "compositionality.sugarcrepe.sample.swap_obj": 70}
@@ -268,21 +270,6 @@ def load_images(folder: Path, files: list[str], model) -> torch.Tensor:
     return torch.stack([to_pixels(Image.open(folder / f).convert("RGB")) for f in files])
 
 
-def clip_regime(train: dict) -> dict:
-    """The plain run's training settings from params.yaml's whole `train` mapping: the shared keys merged with
-    `train.clip` (what `train@clip` trains with; stages/train.py's `run_settings` merges its own view the same way).
-    Every other group must be a method's: a stray one raises instead of being skipped."""
-    from clipfinetune.methods import METHODS
-    from clipfinetune.train import merge_train_settings
-
-    groups = {k for k, v in train.items() if isinstance(v, dict)}
-    stray = sorted(groups - set(METHODS))
-    if stray:
-        raise ValueError(f"params.yaml train: groups {stray} are no method's (methods: {list(METHODS)})")
-    shared = {k: v for k, v in train.items() if k != "keep_checkpoint" and k not in groups}
-    return merge_train_settings(shared, train.get("clip"), where="train.clip")[0]
-
-
 def rooted(spec: dict, root: Path) -> dict:
     """A params mapping of paths (relative to the workspace) with every string value under `root`."""
     return {k: rooted(v, root) if isinstance(v, dict) else str(root / v) if isinstance(v, str) else v
@@ -328,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.root)
     sample = root / "data" / "sample"
     params = yaml.safe_load((root / "params.yaml").read_text())
-    train = clip_regime(params["train"])
+    train = run_regime(params["train"], "clip")
     train.update(epochs=args.epochs or train["epochs"], lr=args.lr or train["lr"])
     t0 = time.perf_counter()
     device = torch.device(args.device)

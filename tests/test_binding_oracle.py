@@ -13,7 +13,6 @@ from benchmarks.binding_oracle import (
     NegClipLoss,
     ProbeSource,
     binding_pairs,
-    clip_regime,
     read_scenes,
     same_bag_pairs,
 )
@@ -122,9 +121,12 @@ def test_same_bag_pairs_counts_rebound_partners(train_scenes):
     assert json.dumps(same_bag_pairs(train_scenes))      # a plain pair of ints
 
 
-def test_probe_regime_is_the_shared_settings_with_clips_group_and_a_stray_group_raises():
+def test_probe_regime_is_the_shared_settings_with_the_methods_group_and_a_stray_group_raises():
+    from benchmarks.common import run_regime
+
     shared = {"epochs": 2, "batch_size": 64, "lr": 2e-4, "warmup": 10, "seed": 0}
     train = {**shared, "keep_checkpoint": False, "clip": {"lr": 1e-4}, "fsc_clip": {"lr": 5e-6}, "mulclip": {}}
-    assert clip_regime(train) == {**shared, "lr": 1e-4}
+    assert run_regime(train, "clip") == {**shared, "lr": 1e-4}
+    assert run_regime(train, "fsc_clip") == {**shared, "lr": 5e-6}
     with pytest.raises(ValueError, match=r"\['fsc-clip'\] are no method's"):
-        clip_regime({**train, "fsc-clip": {"lr": 1.0}})        # a misspelt group is not skipped silently
+        run_regime({**train, "fsc-clip": {"lr": 1.0}}, "clip")        # a misspelt group is not skipped silently
