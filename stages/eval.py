@@ -52,12 +52,8 @@ def main() -> None:
     workers = int(params.get("eval.workers", 0))
 
     # every rank plans the suite's encoder batches (no forward), computes its share, rank 0 scores from the parts
-    plan: list = []
-    dim = sharded.embed_dim(model)
-    recorders = make_encoders(model, text_model, text_encoder, batch_size,
-                              new=lambda m, b, tag: sharded.RecordingEncoder(m, b, tag, plan, dim))
-    evaluate_model(model, benchmarks, batch_size, text_model, encoders=recorders, **suite_args)
-    log.info("planned the suite's encoding: %d batches (no scores yet)", len(plan))
+    plan = sharded.plan_batches(model, benchmarks, batch_size, text_model, **suite_args)
+    log.info("planned the suite's encoding: %d batches", len(plan))
     encoders = make_encoders(model, text_model, text_encoder, batch_size)
     by_tag = {"model": encoders[0], "text_model": encoders[1]}
     store = _items.part_store(params, {"model": args.model, "batch_size": batch_size, "benchmarks": benchmarks,

@@ -94,8 +94,6 @@ def text_batches(tokens: torch.Tensor, batch_size: int) -> list[list[int]]:
 class Encoder:
     """Normalised embeddings of images, texts and boxes, batched under inference_mode."""
 
-    placeholder = False       # True where the embeddings stand in for the model's (a planning pass): no real scores
-
     def __init__(self, model, batch_size: int = 128, resize_mode: str = "squash"):
         self.model, self.batch_size = model, int(batch_size)
         self._by_mode: dict[str, dict] = {}       # resize mode -> image cache, shared by `with_resize` views

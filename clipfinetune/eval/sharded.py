@@ -16,8 +16,10 @@ evaluation's time; scoring (similarities, ranks, metrics) is cheap and needs who
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,6 @@ class RecordingEncoder(Encoder):
     """An `Encoder` that records the batches the real one would compute (`plan`) and answers with placeholder unit
     vectors (deterministic per key), so the suite runs through without a forward. `tag`: which model (the
     evaluated one or the box-classification text model)."""
-
-    placeholder = True
 
     def __init__(self, model, batch_size: int, tag: str, plan: list, dim: int):
         super().__init__(model, batch_size)
@@ -70,6 +70,32 @@ class RecordingEncoder(Encoder):
             self.plan.append({"kind": "regions", "model": self.tag, "images": chunk})
             out += [_placeholder((p, i), self.dim) for p, b in chunk for i in range(len(b))]
         return torch.stack(out) if out else torch.zeros(0, 0)
+
+
+def plan_batches(model, benchmarks: dict, batch_size: int, text_model=None, text_encoder: str = "own",
+                 **suite_args) -> list[dict]:
+    """Every batch the suite's encoders would compute, in order (step 1 above): the suite run over
+    `RecordingEncoder`s. That pass scores placeholder vectors, so its per-benchmark log lines (chance-level numbers)
+    are kept out of the log; warnings still show."""
+    from clipfinetune.eval.suite import evaluate_model, make_encoders
+
+    plan: list = []
+    dim = embed_dim(model)
+    recorders = make_encoders(model, text_model, text_encoder, batch_size,
+                              new=lambda m, b, tag: RecordingEncoder(m, b, tag, plan, dim))
+    with _quiet(logging.getLogger("clipfinetune.eval.suite")):
+        evaluate_model(model, benchmarks, batch_size, text_model, text_encoder, encoders=recorders, **suite_args)
+    return plan
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger):
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def unit_id(unit: dict) -> str:

@@ -219,9 +219,8 @@ def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_m
                                 aro_seed, cache_dir, found)
             if items is not None:
                 items.extend((where, it) for it in found)
-            if not enc.placeholder:       # a planning pass's scores come from placeholder vectors: meaningless
-                log.info("%s: %.1fs %s", where, time.perf_counter() - t0,
-                         {k: round(v, 2) for k, v in res.items() if isinstance(v, float)})
+            log.info("%s: %.1fs %s", where, time.perf_counter() - t0,
+                     {k: round(v, 2) for k, v in res.items() if isinstance(v, float)})
             node = metrics.setdefault("compositionality", {}).setdefault(task, {}) if task in COMPOSITIONAL \
                 else metrics.setdefault(task, {})
             node[name] = res
