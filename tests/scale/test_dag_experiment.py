@@ -33,7 +33,7 @@ def dag(tmp_path_factory):
     stages = _run(repo, "dvc", "stage", "list", "--name-only").stdout.split()
     first = RAN.findall(_run(repo, "dvc", "repro").stdout)
     _git_commit(repo, "baseline")
-    rec = {"lock_baseline": _lock(repo), "stages": stages, "first_ran": first,
+    rec = {"repo": repo, "lock_baseline": _lock(repo), "stages": stages, "first_ran": first,
            "summary": json.loads((repo / "metrics" / "summary.json").read_text())}
     exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "runs.fsc_clip.lambda_l=0.2")
     rec["exp_ran"] = RAN.findall(exp.stdout)
@@ -75,3 +75,18 @@ def test_metrics_diff_changes_only_fsc_clip_and_summary(dag):
     exp_metrics = {path for path, keys in dag["exp_diff"]["metrics"].items() if keys}
     assert exp_metrics == files
     assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"runs.fsc_clip.lambda_l"}
+
+
+def test_the_mulclip_terms_probe_follows_every_step_of_the_run(dag):
+    """benchmarks/mulclip_terms.py on the baseline's workspace: one record per optimiser step of train@mulclip, each
+    with the three term groups' backbone gradients, cosines in [-1, 1] and a finite share of the global step."""
+    from benchmarks import mulclip_terms
+
+    repo = dag["repo"]
+    data = json.loads((repo / "dvclive" / "train" / "mulclip" / "data.json").read_text())
+    epochs = yaml.safe_load((repo / "params.yaml").read_text())["train"]["epochs"]
+    res = mulclip_terms.main(["--root", str(repo)])
+    assert res["steps"] == len(res["records"]) == epochs * data["batches_per_epoch"]
+    for r in res["records"]:
+        assert set(r["grad_norm"]) == {"global", "word", "sub"} and all(v > 0 for v in r["grad_norm"].values())
+        assert all(-1 <= c <= 1 for c in r["cos_with_global"].values()) and 0 < r["global_kept"] < 10
