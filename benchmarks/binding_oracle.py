@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clipfinetune.eval.encode import Encoder
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
@@ -167,22 +168,6 @@ class ProbeMethod(ClipMethod):
         return NegClipLoss(self.negatives, self.pair_weight)
 
 
-@torch.no_grad()
-def embed_images(model, images: torch.Tensor, normalize, batch: int = 256) -> torch.Tensor:
-    model.eval()
-    device = next(model.parameters()).device
-    return torch.cat([model.encode_image(normalize(images[i:i + batch]).to(device), normalize=True).cpu()
-                      for i in range(0, len(images), batch)]).float()
-
-
-@torch.no_grad()
-def embed_texts(model, texts: list[str], batch: int = 256) -> torch.Tensor:
-    model.eval()
-    device = next(model.parameters()).device
-    return torch.cat([model.encode_text(model.tokenize(texts[i:i + batch]).to(device), normalize=True).cpu()
-                      for i in range(0, len(texts), batch)]).float()
-
-
 def conjunction_probe(train_x, train_scenes, test_x, test_cases, vocab) -> float:
     """Linear multi-label probe (colour, shape) -> present, on frozen embeddings; % of swap cases whose true pair
     of conjunctions outscores the swapped pair."""
@@ -242,32 +227,28 @@ def train_pair_accuracy(model, train_x: torch.Tensor, pairs) -> float:
     swap_att)."""
     rows = [i for i, p in enumerate(pairs) if p]
     image = train_x[rows]
-    pos, neg = (embed_texts(model, [pairs[i][0][k] for i in rows]) for k in (0, 1))
+    encoder = Encoder(model.eval())
+    pos, neg = (encoder.texts([pairs[i][0][k] for i in rows]) for k in (0, 1))
     return 100 * float(((image * pos).sum(1) > (image * neg).sum(1)).float().mean())
 
 
-def diagnostics(model, root: Path, train_images, train_scenes, normalize, pairs) -> dict:
+def diagnostics(model, root: Path, train_files: list[str], train_scenes, pairs) -> dict:
+    """The three diagnostics of the module docstring; embeddings by the suite's own `Encoder` (fp32, the model's
+    eval transform), `train_files` the train images' paths in `train_scenes`' order."""
     from clipfinetune.sample.vocab import COLOUR_NAMES, SHAPE_NAMES
 
     sample = root / "data" / "sample"
+    encoder = Encoder(model.eval())
     cases = list(json.loads((sample / "sugarcrepe" / "swap_att.json").read_text()).values())
-    pos, neg = embed_texts(model, [c["caption"] for c in cases]), embed_texts(model, [c["negative_caption"] for c in cases])
+    pos, neg = encoder.texts([c["caption"] for c in cases]), encoder.texts([c["negative_caption"] for c in cases])
     files, keys = swap_case_conjunctions(sample)
-    test_x = embed_images(model, load_images(sample / "images" / "val", files, model), normalize)
-    train_x = embed_images(model, train_images, normalize)
+    # clones: the Encoder's embeddings are inference-mode tensors, and the probe's head trains on them
+    test_x = encoder.images([(sample / "images" / "val" / f, None) for f in files]).clone()
+    train_x = encoder.images([(f, None) for f in train_files]).clone()
     vocab = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES]
     return {"swap_att_text_cosine": float((pos * neg).sum(1).mean()),
             "image_probe_swap_att": conjunction_probe(train_x, train_scenes, test_x, keys, vocab),
             "train_pairs": train_pair_accuracy(model, train_x, pairs)}
-
-
-def load_images(folder: Path, files: list[str], model) -> torch.Tensor:
-    from PIL import Image
-
-    from clipfinetune.train.sources import split_normalize
-
-    to_pixels, _ = split_normalize(model.transform)
-    return torch.stack([to_pixels(Image.open(folder / f).convert("RGB")) for f in files])
 
 
 def rooted(spec: dict, root: Path) -> dict:
@@ -326,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
                      key=lambda r: Path(r.image).name)
     captions = [list(r.captions) for r in records]
     images = torch.stack([to_pixels(r.read_image()) for r in records])
+    train_files = [r.path for r in records]
     train_scenes = [scenes[Path(r.image).name] for r in records]
     pairs = [binding_pairs(sc, seed=i) for i, sc in enumerate(train_scenes)]
     pre = list(read_scenes(sample, "pretrain").values())
@@ -335,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         "same_bag_partners_pretrain": same_bag_pairs(pre),
         "regime": {k: train[k] for k in ("epochs", "batch_size", "lr", "warmup", "wd", "seed")}}}
     benchmarks = params["eval"]["benchmarks"]
-    results["base"] = {**evaluate(base, root, benchmarks, 128), **diagnostics(base, root, images, train_scenes, normalize, pairs)}
+    results["base"] = {**evaluate(base, root, benchmarks, 128), **diagnostics(base, root, train_files, train_scenes, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
         cfg = TrainConfig(**train, precision=resolve_precision(params["model"]["precision"], device))
@@ -349,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
                           dist=DistInfo(device=device))
         trainer.fit()
         results[variant] = {"steps": trainer.step, **evaluate(model, root, benchmarks, 128),
-                            **diagnostics(model, root, images, train_scenes, normalize, pairs)}
+                            **diagnostics(model, root, train_files, train_scenes, pairs)}
         print(variant, json.dumps(results[variant]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
