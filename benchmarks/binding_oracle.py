@@ -221,13 +221,12 @@ def swap_case_conjunctions(sample: Path) -> tuple[list[str], list[tuple]]:
     return files, keys
 
 
-def train_pair_accuracy(model, train_x: torch.Tensor, pairs) -> float:
+def train_pair_accuracy(encoder: Encoder, train_x: torch.Tensor, pairs) -> float:
     """% of the train scenes' first binding pair whose caption outscores its negative on the scene's own image
     (`train_x`: the train images' embeddings): the oracle's fit of what it trains on (vs the suite's held-out
     swap_att)."""
     rows = [i for i, p in enumerate(pairs) if p]
     image = train_x[rows]
-    encoder = Encoder(model.eval())
     pos, neg = (encoder.texts([pairs[i][0][k] for i in rows]) for k in (0, 1))
     return 100 * float(((image * pos).sum(1) > (image * neg).sum(1)).float().mean())
 
@@ -248,7 +247,7 @@ def diagnostics(model, root: Path, train_files: list[str], train_scenes, pairs) 
     vocab = [(c, s) for c in COLOUR_NAMES for s in SHAPE_NAMES]
     return {"swap_att_text_cosine": float((pos * neg).sum(1).mean()),
             "image_probe_swap_att": conjunction_probe(train_x, train_scenes, test_x, keys, vocab),
-            "train_pairs": train_pair_accuracy(model, train_x, pairs)}
+            "train_pairs": train_pair_accuracy(encoder, train_x, pairs)}
 
 
 def rooted(spec: dict, root: Path) -> dict:
@@ -296,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.root)
     sample = root / "data" / "sample"
     params = yaml.safe_load((root / "params.yaml").read_text())
-    train = run_regime(params["train"], "clip")
+    train, _ = run_regime(params["train"], "clip")
     train.update(epochs=args.epochs or train["epochs"], lr=args.lr or train["lr"])
     t0 = time.perf_counter()
     device = torch.device(args.device)

@@ -82,11 +82,11 @@ def load_params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def run_regime(train: dict, method: str, extra_keys=frozenset()) -> dict:
+def run_regime(train: dict, method: str, extra_keys=frozenset()) -> tuple[dict, dict]:
     """A run's training settings from params.yaml's whole `train` mapping: the shared keys (less the train stage's
     own `keep_checkpoint`) merged with `train.<method>`, what `train@<run>` trains with (stages/train.py's
-    `run_settings` merges its own view the same way; `extra_keys`: the method's own keys, dropped here). Every other
-    group must be a method's: a stray one raises instead of being skipped."""
+    `run_settings` merges its own view the same way). Returns `merge_train_settings`' (settings, the method's
+    `extra_keys`). Every other group must be a method's: a stray one raises instead of being skipped."""
     from clipfinetune.methods import METHODS
     from clipfinetune.train import merge_train_settings
 
@@ -95,4 +95,4 @@ def run_regime(train: dict, method: str, extra_keys=frozenset()) -> dict:
     if stray:
         raise ValueError(f"params.yaml train: groups {stray} are no method's (methods: {list(METHODS)})")
     shared = {k: v for k, v in train.items() if k != "keep_checkpoint" and k not in groups}
-    return merge_train_settings(shared, train.get(method), extra_keys, where=f"train.{method}")[0]
+    return merge_train_settings(shared, train.get(method), extra_keys, where=f"train.{method}")

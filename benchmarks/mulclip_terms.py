@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = dict(params["runs"][args.run])
     method_name = run.pop("method")
     method_cls = get_method(method_name)
-    settings = run_regime(params["train"], method_name, method_cls.train_keys)
-    extras = {k: v for k, v in (params["train"].get(method_name) or {}).items() if k in method_cls.train_keys}
+    settings, extras = run_regime(params["train"], method_name, method_cls.train_keys)
     device = torch.device("cpu")
     cfg = TrainConfig(**settings, precision=resolve_precision(params["model"]["precision"], device))
     method = method_cls(**run, **extras)

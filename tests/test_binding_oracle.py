@@ -126,7 +126,7 @@ def test_probe_regime_is_the_shared_settings_with_the_methods_group_and_a_stray_
 
     shared = {"epochs": 2, "batch_size": 64, "lr": 2e-4, "warmup": 10, "seed": 0}
     train = {**shared, "keep_checkpoint": False, "clip": {"lr": 1e-4}, "fsc_clip": {"lr": 5e-6}, "mulclip": {}}
-    assert run_regime(train, "clip") == {**shared, "lr": 1e-4}
-    assert run_regime(train, "fsc_clip") == {**shared, "lr": 5e-6}
+    assert run_regime(train, "clip") == ({**shared, "lr": 1e-4}, {})
+    assert run_regime(train, "fsc_clip") == ({**shared, "lr": 5e-6}, {})
     with pytest.raises(ValueError, match=r"\['fsc-clip'\] are no method's"):
         run_regime({**train, "fsc-clip": {"lr": 1.0}}, "clip")        # a misspelt group is not skipped silently
