@@ -100,6 +100,17 @@ def test_bf16_on_cpu_is_kept_and_emulated_bf16_is_named(monkeypatch, caplog):
     assert "emulated" in caplog.text
 
 
+@pytest.mark.parametrize("avx512_bf16,amx,native", [(False, False, False), (True, False, True), (False, True, True)])
+def test_native_bf16_is_read_from_the_cpu_flags_not_from_onednn(monkeypatch, avx512_bf16, amx, native):
+    # oneDNN says "bf16 supported" on every AVX512 core (it emulates it there): that answer must not count
+    from clipfinetune.train import config as train_config
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert train_config.cpu_has_native_bf16() is native
+
+
 def test_logit_scale_is_clamped_to_ln_100_after_each_step_and_after_step_hook_runs():
     calls = []
 

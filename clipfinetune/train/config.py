@@ -130,4 +130,6 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 
 
 def cpu_has_native_bf16() -> bool:
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # The CPU's own flags, not oneDNN's `_is_mkldnn_bf16_supported`: that is true on any AVX512 core, where oneDNN
+    # emulates bf16 (a Cascade Lake without AVX512-BF16 says true and runs bf16 slower than fp32).
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
