@@ -3,10 +3,11 @@
 `python -m benchmarks.cpu_precision [--batch 128] [--rounds 3] [--steps 3]`
 
 One contrastive training step of the sample world's tiny CLIP (`cft-tiny-vit`, random weights, synthetic 64x64
-images and 12-token captions, batch 128 as `pretrain`): forward under `train.config.autocast`, the CLIP loss in fp32,
-backward, AdamW. 2 warm-up steps per precision, then `rounds` interleaved rounds of `steps` steps each (the order
-alternates every round), median step time. Prints the CPU's bf16 capability (`train.config.cpu_has_native_bf16`:
-AVX512-BF16 or AMX) and the ratio bf16 / fp32 (> 1: bf16 is slower). No data, no stage: runs from a fresh clone.
+images and one ~10-token caption padded to the context length, batch 128 as `pretrain`): forward under
+`train.config.autocast`, the CLIP loss in fp32, backward, AdamW. 2 warm-up steps per precision, then `rounds`
+interleaved rounds of `steps` steps each (the order alternates every round), median step time. Prints the CPU's bf16
+capability (`train.config.cpu_has_native_bf16`: AVX512-BF16 or AMX) and the ratio bf16 / fp32 (> 1: bf16 is slower).
+No data, no stage: runs from a fresh clone.
 """
 from __future__ import annotations
 
