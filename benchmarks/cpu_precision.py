@@ -16,8 +16,8 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from clipfinetune.losses.common import clip_contrastive_loss
 from clipfinetune.models import load_model
 from clipfinetune.train.config import autocast, cpu_has_native_bf16
 
@@ -30,9 +30,7 @@ def step_fn(model, opt, images, tokens, precision: str):
         with autocast(precision, device):
             x = model.encode_image(images, normalize=True)
             t = model.encode_text(tokens, normalize=True)
-        logits = model.clip.logit_scale.exp() * x.float() @ t.float().T
-        labels = torch.arange(len(images), device=device)
-        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        loss = clip_contrastive_loss(x.float(), t.float(), model.clip.logit_scale.exp())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
