@@ -90,14 +90,18 @@ def test_bf16_on_cpu_is_kept_and_emulated_bf16_is_named(monkeypatch, caplog):
     cpu = torch.device("cpu")
     assert train_config.resolve_precision("fp32", cpu) == "fp32"
     log = logging.getLogger("test-precision")
+    said = "precision bf16: bf16 autocast on cpu"          # one line to grep on every host (tests/scale greps it)
     monkeypatch.setattr(train_config, "cpu_has_native_bf16", lambda: True)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         assert train_config.resolve_precision("bf16", cpu, log) == "bf16"
-    assert not caplog.records                                              # native: no warning
+    assert [r.levelno for r in caplog.records] == [logging.INFO]           # native: no warning
+    assert said in caplog.text and "emulated" not in caplog.text
+    caplog.clear()
     monkeypatch.setattr(train_config, "cpu_has_native_bf16", lambda: False)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         assert train_config.resolve_precision("bf16", cpu, log) == "bf16"       # the same result, only slower
-    assert "emulated" in caplog.text
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert said in caplog.text and "emulated" in caplog.text
 
 
 @pytest.mark.parametrize("avx512_bf16,amx,native", [(False, False, False), (True, False, True), (False, True, True)])

@@ -110,8 +110,8 @@ def resolve_precision(precision: str, device, log=None) -> str:
         precision = "bf16"
     if precision == "bf16" and log is not None:
         if device_type == "cpu" and not cpu_has_native_bf16():
-            log.warning("precision bf16: bf16 autocast on a CPU without native bf16 (no AVX512-BF16/AMX) is "
-                        "emulated, slower than fp32; model.precision: fp32 is faster (and gives other numbers)")
+            log.warning("precision bf16: bf16 autocast on cpu, emulated (this CPU has no AVX512-BF16/AMX): slower "
+                        "than fp32; model.precision: fp32 is faster (and gives other numbers)")
         else:
             log.info("precision bf16: bf16 autocast on %s", device_type)
     return precision
