@@ -109,11 +109,12 @@ def resolve_precision(precision: str, device, log=None) -> str:
                         "in bf16 autocast instead (other numbers than the papers' fp16)", device_type)
         precision = "bf16"
     if precision == "bf16" and log is not None:
+        said = f"precision bf16: bf16 autocast on {device_type}"     # one opening on every host: logs grep it
         if device_type == "cpu" and not cpu_has_native_bf16():
-            log.warning("precision bf16: bf16 autocast on cpu, emulated (this CPU has no AVX512-BF16/AMX): slower "
-                        "than fp32; model.precision: fp32 is faster (and gives other numbers)")
+            log.warning("%s, emulated (this CPU has no AVX512-BF16/AMX): slower than fp32; model.precision: fp32 is "
+                        "faster (and gives other numbers)", said)
         else:
-            log.info("precision bf16: bf16 autocast on %s", device_type)
+            log.info(said)
     return precision
 
 
