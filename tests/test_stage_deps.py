@@ -23,8 +23,11 @@ def test_every_stages_code_deps_are_its_import_closure():
 
 def _modulefinder_files(script: str) -> set[str]:
     """The project's .py files Python's own ModuleFinder sees `script` import (its bytecode, nested functions
-    included), searching only the repository so third-party packages are never scanned."""
-    finder = modulefinder.ModuleFinder(path=[str(ROOT), str(ROOT / "stages")])
+    included), searching only the repository so third-party packages are never scanned. Folders of the repository
+    that are no package (a run's dvclive/, models/, ...) are excluded: ModuleFinder would take `from dvclive import`
+    for that folder as a namespace package and crash on it."""
+    not_packages = [p.name for p in ROOT.iterdir() if p.is_dir() and not (p / "__init__.py").exists()]
+    finder = modulefinder.ModuleFinder(path=[str(ROOT), str(ROOT / "stages")], excludes=not_packages)
     finder.run_script(str(ROOT / script))
     files = {Path(m.__file__).resolve() for m in finder.modules.values() if m.__file__}
     return {p.relative_to(ROOT).as_posix() for p in files if p.is_relative_to(ROOT)}
