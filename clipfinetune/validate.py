@@ -265,6 +265,7 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
     import contextlib
 
     from clipfinetune import leakage
+    from clipfinetune.digests import DIGEST_CACHE
     from clipfinetune.io import InputError
 
     found, unchecked = [], []
@@ -284,7 +285,7 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
             if not any(_is_produced(str(v), produced) for _, v, _ in _benchmark_paths(task, name, cfg, "") if v):
                 found.append(Finding(f"eval.benchmarks.{where}", f"not compared with the training images: {error}",
                                      missing=False))   # its missing files are named above
-        overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=leakage.DIGEST_CACHE)
+        overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=DIGEST_CACHE)
     for o in overlaps:
         found.append(Finding(f"eval.benchmarks.{o.eval_set}", f"LEAKAGE {o}"))
     found.append(Finding("leakage", f"{cost['train_images']} training images compared with {cost['eval_images']} "
