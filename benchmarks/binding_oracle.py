@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clipfinetune.eval.encode import Encoder
+from clipfinetune.keys import lookup
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
@@ -265,10 +266,7 @@ def evaluate(model, root: Path, benchmarks: dict, batch_size: int) -> dict:
     flat = {}
     for key in list(THRESHOLDS) + list(TARGETS) + ["compositionality.sugarcrepe.sample.mean",
                                                    "compositionality.sugarcrepe.sample.replace_att"]:
-        node = metrics
-        for part in key.split("."):
-            node = node[part]
-        flat[key] = round(float(node), 2)
+        flat[key] = round(float(lookup(metrics, key)), 2)
     return flat
 
 

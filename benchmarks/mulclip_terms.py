@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     method = method_cls(**run, **extras)
     seed_everything(cfg.seed)
     model = load_model(f"local-dir:{root / 'models' / 'base'}", device=device)
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda texts: model.tokenize(texts, context_length=248))
+    ctx = ExampleContext.of_model(model)
     loader = ShardLoader(root / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                          seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
                          epoch_samples=cfg.epoch_samples)     # the run's workers: they set the batches per epoch

@@ -22,8 +22,6 @@ from __future__ import annotations
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import ROOT, stage_inputs, start
 
-LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
-
 
 def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]:
     """(training settings: shared train.* merged with train.<method>.*, the method's constructor kwargs)."""
@@ -84,10 +82,8 @@ def main() -> None:
         method = method_cls(**config)
         seed_everything(cfg.seed)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
-        transform = model.train_transform() if cfg.train_transform == "random_resized_crop" else model.transform
-        ctx = ExampleContext(transform, model.tokenize, model.image_size, token_span=model.token_span,
-                             tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT),
-                             random_geometry=cfg.train_transform == "random_resized_crop")
+        random_crop = cfg.train_transform == "random_resized_crop"
+        ctx = ExampleContext.of_model(model, model.train_transform() if random_crop else None, random_crop)
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
                              epoch_samples=cfg.epoch_samples)

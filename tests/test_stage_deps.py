@@ -85,3 +85,11 @@ def test_an_edited_loss_changes_the_code_digest_of_its_method_and_the_mix_only(t
     after = digests()
     assert {m for m in before if before[m] != after[m]} == {"degla", MIX}
     sys.modules.pop("method_code", None)
+
+
+def test_mulclip_and_goal_share_the_long_text_helper_from_models_not_each_others_code():
+    """Long-CLIP stretching lives in models/long_text.py: editing GOAL's loss or method re-trains no MulCLIP run
+    (and the other way round); both runs still follow an edit of the shared helper."""
+    mulclip, goal = set(deps.method_closure("mulclip")), set(deps.method_closure("goal"))
+    assert not [f for f in mulclip if "goal" in f] and not [f for f in goal if "mulclip" in f]
+    assert "clipfinetune/models/long_text.py" in mulclip & goal

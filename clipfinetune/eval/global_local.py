@@ -53,12 +53,6 @@ def ap_per_query(sims: np.ndarray, records: list[JointRecord], mode: str, k: int
     return i2t, average_precision_at_k(sims[:, cols].T, rel_t2i, k), cols
 
 
-def map_at_k(sims: np.ndarray, records: list[JointRecord], mode: str, k: int = 10) -> dict[str, float]:
-    """sims [R, R] image i x caption j. I2T over all R image queries; T2I over unique captions."""
-    i2t, t2i, _ = ap_per_query(sims, records, mode, k)
-    return {"i2t": 100.0 * float(i2t.mean()), "t2i": 100.0 * float(t2i.mean())}
-
-
 def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int = 10, items: list | None = None) -> dict:
     """Items: parts i2t / t2i (linked) and i2t_as_shipped / t2i_as_shipped; a query's id is its record's index
     in the list and its group (T2I: the first record carrying the caption)."""

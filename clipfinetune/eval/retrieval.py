@@ -28,11 +28,6 @@ def recall_from_ranks(i2t, t2i, ks) -> dict[str, float]:
             **{f"t2i_r{k}": 100.0 * float((t2i <= k).mean()) for k in ks}}
 
 
-def retrieval_metrics(image_emb, text_emb, caption_image, ks=(1, 5, 10)) -> dict[str, float]:
-    """{i2t_r<K>, t2i_r<K>} in percent from normalised embeddings [N, D], [M, D]."""
-    return recall_from_ranks(*retrieval_ranks(image_emb, text_emb, caption_image), ks)
-
-
 def caption_ids(data: RetrievalSet) -> list[str]:
     """`<image>#<k>`: the k-th caption of its image (stable across models)."""
     seen: dict[int, int] = {}

@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Method
-from .goal import LONG_CONTEXT, stretch_to_long
 
 
 class MulClipModule(nn.Module):
@@ -72,7 +71,7 @@ class MulClipModule(nn.Module):
         encoded = model.encode_text(sub_tokens[sub_valid], normalize=False)
         sub = encoded.new_zeros(*sub_valid.shape, encoded.shape[1])
         sub[sub_valid] = encoded
-        pad = LONG_CONTEXT - text["tokens"].shape[1]              # trimmed -> the calibration's 248 slots
+        pad = model.context_length - text["tokens"].shape[1]      # trimmed -> the calibration's 248 slots
         return {"image": image["global_"], "patches": image["patches"], "text": text["global_"],
                 "text_tokens": F.pad(text["tokens"], (0, 0, 0, pad)),
                 "text_mask": F.pad(text["mask"], (0, pad), value=False),
@@ -119,6 +118,7 @@ class MulClipMethod(Method):
 
     def build(self, model) -> nn.Module:
         from clipfinetune.losses.mulclip import MulClipLoss
+        from clipfinetune.models import stretch_to_long
 
         stretch_to_long(model, freeze_kept=True)                   # Long-CLIP: rows 0..19 frozen
         if self._mix_terms is None:                                # alone: the sigmoid heads carry the scales

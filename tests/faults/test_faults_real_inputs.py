@@ -245,7 +245,6 @@ NON_LATIN = "一个红色的圆圈 🔴 и синий квадрат, دائرة
 def test_long_multilingual_and_crowd_annotations_through_the_text_stages(tiny_project, tmp_path, inprocess):
     from clipfinetune.data.loader import ExampleContext
     from clipfinetune.methods import build_method
-    from clipfinetune.methods.goal import LONG_CONTEXT
     from clipfinetune.models import load_model
 
     ref_wr = tiny_project.meta("data/prepared/word_regions.meta.json")
@@ -315,8 +314,7 @@ def test_long_multilingual_and_crowd_annotations_through_the_text_stages(tiny_pr
 
     # the training examples: 77 tokens for CLIP-length methods; a word past the truncation has no token positions
     model = load_model("local-dir:" + str(proj / "models/base"))
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda t: model.tokenize(t, context_length=LONG_CONTEXT))
+    ctx = ExampleContext.of_model(model)
     image = Image.new("RGB", (coco_rec["width"], coco_rec["height"]))
     harmo = build_method("harmoclip")
     k_long = coco_rec["captions"].index(long_caption)
