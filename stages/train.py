@@ -52,36 +52,20 @@ def main() -> None:
     args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments)
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
-    from clipfinetune.io import write_json
     from clipfinetune.methods import get_method
-    from clipfinetune.models import export_model, load_model
-    from clipfinetune.train import (
-        TrainConfig,
-        Trainer,
-        cleanup,
-        fingerprint,
-        init_distributed,
-        per_rank_batch_size,
-    )
-    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
-    from clipfinetune.train.config import resolve_precision
+    from clipfinetune.models import load_model
+    from clipfinetune.train import fingerprint
+    from clipfinetune.train.session import training_session
 
     method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
     settings, config = run_settings(params, args.run, args.method, method_cls)
     precision = params["model.precision"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    dist = init_distributed(params["compute.device"])
-    try:
-        global_batch = int(settings["batch_size"])         # train.batch_size: the global batch (the papers')
-        rank_batch = per_rank_batch_size(global_batch, dist.world_size)
-        log.info("global batch %d = %d rank(s) x %d per rank, on %s", global_batch, dist.world_size, rank_batch,
-                 dist.device)
-        cfg = TrainConfig(**{**settings, "batch_size": rank_batch},
-                          precision=resolve_precision(precision, dist.device, log))
+    with training_session(settings, precision, params["compute.device"], log=log) as session:
+        cfg = session.cfg
         method = method_cls(**config)
-        seed_everything(cfg.seed)
-        model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
+        model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=session.dist.device)
         random_crop = cfg.train_transform == "random_resized_crop"
         ctx = ExampleContext.of_model(model, model.train_transform() if random_crop else None, random_crop)
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
@@ -89,27 +73,17 @@ def main() -> None:
                              epoch_samples=cfg.epoch_samples)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
-                         stage_inputs(params.stage), dist.world_size)
-        check_ranks_agree(fp, dist)
-        live_dir = ROOT / "dvclive" / "train" / args.run
-        checkpoint_dir = ROOT / "checkpoints" / args.run
-        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir,
-                          live_dir=live_dir, fingerprint=fp, dist=dist, desc=params.stage)
-        module = trainer.fit()
-        if dist.is_main:
-            export_model(method.final_model(module, model), ROOT / "models" / args.run)
-            write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
-                                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                                                "batches_per_epoch": len(loader), **dict(loader.stats),
-                                                "device": str(dist.device), "ranks": dist.world_size,
-                                                "global_batch": global_batch, "rank_batch": rank_batch})
-            log.info("exported models/%s", args.run)
-            if not params["train.keep_checkpoint"]:
-                remove_checkpoints(checkpoint_dir)
+                         stage_inputs(params.stage), session.dist.world_size)
+        live_dir, checkpoint_dir = ROOT / "dvclive" / "train" / args.run, ROOT / "checkpoints" / args.run
+        module = session.trainer(method, model, loader, checkpoint_dir=checkpoint_dir, live_dir=live_dir,
+                                 fingerprint=fp, desc=params.stage).fit()
+        session.export(method.final_model(module, model), ROOT / "models" / args.run, live_dir=live_dir,
+                       record={"samples": loader.num_samples, "wanted": loader.num_wanted,
+                               "epoch_unit": loader.epoch_unit, "units": loader.num_units,
+                               "batches_per_epoch": len(loader), **dict(loader.stats)},
+                       checkpoint_dir=checkpoint_dir, keep_checkpoint=params["train.keep_checkpoint"])
+        log.info("exported models/%s", args.run)
         params.check_all_read()
-    finally:
-        cleanup()
-
 
 if __name__ == "__main__":
     main()

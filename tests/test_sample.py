@@ -224,7 +224,7 @@ def test_pretraining_close_ups_hold_one_large_object_inside_the_image():
 
 
 def test_same_seed_byte_identical_and_other_seed_differs(tmp_path):
-    from clipfinetune.sample import WorldConfig, generate_world
+    from clipfinetune.sample.world import WorldConfig, generate_world
 
     small = {"image_size": 64, "n_train": 6, "n_val": 6, "n_docci_train": 4, "n_docci_test": 4,
              "n_compositional": 6, "n_zeroshot_per_class": 1, "n_pretrain": 4}
@@ -241,7 +241,7 @@ def test_stage_reads_exactly_the_declared_sample_params():
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
     declared = {p[len("sample."):] for p in dvc["stages"]["sample"]["params"]}
     params = yaml.safe_load((REPO / "params.yaml").read_text())["sample"]
-    from clipfinetune.sample import WorldConfig
+    from clipfinetune.sample.world import WorldConfig
 
     assert declared == set(params) == set(WorldConfig.__dataclass_fields__)
 

@@ -99,7 +99,7 @@ SMALL_WORLD = {"seed": 0, "image_size": 64, "n_train": 40, "n_val": 30, "n_docci
 
 @functools.cache
 def world(**overrides) -> Path:
-    from clipfinetune.sample import WorldConfig, generate_world
+    from clipfinetune.sample.world import WorldConfig, generate_world
 
     root = Path(tempfile.mkdtemp(prefix="cft-sample-"))
     atexit.register(shutil.rmtree, root, True)
