@@ -97,7 +97,8 @@ def main() -> None:
                 source.images, source.labels, steps=label_steps, batch_size=session.global_batch, lr=lr, seed=cfg.seed,
                 normalize=source.normalize, regions=source.regions if warmup_regions else None, rank=dist.rank,
                 world_size=dist.world_size)
-            session.trainer(objective, model, batches, cfg=dataclasses.replace(cfg, epochs=1, lr=lr, grad_clip=0.0),
+            warmup_cfg = dataclasses.replace(cfg, epochs=1, lr=lr, grad_clip=0.0)    # the contrastive schedule's
+            session.trainer(objective, model, batches, cfg=warmup_cfg,                  # warm-up and wd, no clip
                             checkpoint_dir=checkpoints / "label_warmup", live_dir=live_dir / "label_warmup",
                             fingerprint=fp, desc="label warm-up").fit()
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
