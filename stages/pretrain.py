@@ -94,9 +94,9 @@ def main() -> None:
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             lr = float(settings["label_warmup_lr"])
             objective, batches = label_warmup(
-                source.images, source.labels, steps=label_steps, batch_size=session.global_batch, lr=lr, seed=cfg.seed,
-                normalize=source.normalize, regions=source.regions if warmup_regions else None, rank=dist.rank,
-                world_size=dist.world_size)
+                source.images, source.labels, embed_dim=model.embed_dim, steps=label_steps,
+                batch_size=session.global_batch, lr=lr, seed=cfg.seed, normalize=source.normalize,
+                regions=source.regions if warmup_regions else None, rank=dist.rank, world_size=dist.world_size)
             warmup_cfg = dataclasses.replace(cfg, epochs=1, lr=lr, grad_clip=0.0)    # the contrastive schedule's
             session.trainer(objective, model, batches, cfg=warmup_cfg,                  # warm-up and wd, no clip
                             checkpoint_dir=checkpoints / "label_warmup", live_dir=live_dir / "label_warmup",

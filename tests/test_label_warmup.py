@@ -16,7 +16,8 @@ from clipfinetune.train import NonFiniteLossError, TrainConfig, Trainer
 def label_warmup(model, images, labels, *, steps, lr, batch_size, warmup=0, wd=0.0, seed=0, regions=None,
                  precision="fp32", live_dir) -> list[float]:
     """The stage's warm-up on one rank: the objective and its batches through the Trainer; its logged loss curve."""
-    method, batches = objective(images, labels, steps=steps, batch_size=batch_size, lr=lr, seed=seed, regions=regions)
+    method, batches = objective(images, labels, embed_dim=model.embed_dim, steps=steps, batch_size=batch_size, lr=lr,
+                                seed=seed, regions=regions)
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=lr, warmup=warmup, wd=wd, seed=seed, precision=precision)
     Trainer(method, model, batches, cfg, live_dir=live_dir).fit()
     with open(live_dir / "plots" / "metrics" / "loss.tsv") as f:
@@ -72,7 +73,7 @@ def test_label_warmup_draws_only_labelled_images_and_needs_one(tmp_path):
     curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=4, live_dir=tmp_path)
     assert len(curve) == 2 and not any(math.isnan(v) for v in curve)
     with pytest.raises(ValueError, match="label"):
-        objective(images, torch.zeros_like(labels), steps=1, batch_size=4, lr=1e-3)
+        objective(images, torch.zeros_like(labels), embed_dim=8, steps=1, batch_size=4, lr=1e-3)
 
 
 def _two_object_data(n=48):
@@ -134,7 +135,7 @@ def test_label_warmup_with_regions_draws_unlabelled_images_too(tmp_path):
         label_warmup(load_model("cft-tiny-vit"), images, labels, steps=1, lr=1e-3, batch_size=6, regions=regions,
                      live_dir=tmp_path / "regions")
     with pytest.raises(ValueError, match="region"):
-        objective(images, labels, steps=1, batch_size=6, lr=1e-3, regions=regions[:2])
+        objective(images, labels, embed_dim=8, steps=1, batch_size=6, lr=1e-3, regions=regions[:2])
 
 
 def test_label_warmup_in_bf16_runs_the_forward_under_autocast_and_still_learns(tmp_path):
@@ -157,8 +158,8 @@ def test_label_warmup_in_bf16_runs_the_forward_under_autocast_and_still_learns(t
 
 def test_label_batches_resume_at_any_step_and_split_each_global_batch_over_the_ranks():
     images, labels, regions = _two_object_data(12)
-    whole = objective(images, labels, steps=5, batch_size=8, lr=1e-3, seed=3, regions=regions)[1]
-    ranks = [objective(images, labels, steps=5, batch_size=8, lr=1e-3, seed=3, regions=regions, rank=r,
+    whole = objective(images, labels, embed_dim=8, steps=5, batch_size=8, lr=1e-3, seed=3, regions=regions)[1]
+    ranks = [objective(images, labels, embed_dim=8, steps=5, batch_size=8, lr=1e-3, seed=3, regions=regions, rank=r,
                        world_size=2)[1] for r in (0, 1)]
     full = list(whole.batches(0))
     assert len(whole) == len(full) == 5

@@ -21,9 +21,9 @@ have; with regions every image takes part (the image term only on images with la
 
 The Trainer's AdamW over open_clip's parameter groups (the head and the region scale without decay), warm-up and
 cosine decay; only the image tower and the head get gradients (the text tower takes no part: `find_unused_parameters`
-for DDP, and AdamW leaves a parameter without a gradient untouched). Batches are drawn with replacement by a generator
-seeded by `seed` (the head's initial weights by another), so the result is a function of the inputs; each rank takes
-its slice of every global batch.
+for DDP, and AdamW leaves a parameter without a gradient untouched). One generator seeded by `seed` draws the head's
+initial weights, then every step's batch (with replacement), so the result is a function of the inputs; each rank
+takes its slice of every global batch.
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ class LabelBatches:
     pixels, multi-hot labels [k, V]) adds the region term. `images` are stored batches that `normalize` turns into
     model input (`CaptionPairSource.images` / `.normalize`)."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, steps: int, batch_size: int, seed: int = 0,
-                 normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, steps: int, batch_size: int,
+                 generator: torch.Generator, normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
                  regions: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rank: int = 0, world_size: int = 1):
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} label rows")
@@ -55,8 +55,7 @@ class LabelBatches:
         if batch_size % world_size:
             raise ValueError(f"the warm-up's global batch {batch_size} is not divisible by {world_size} ranks")
         pool = torch.arange(len(images)) if regions is not None else torch.nonzero(self.has_label).flatten()
-        g = torch.Generator().manual_seed(seed)
-        self.draws = pool[torch.randint(len(pool), (steps, batch_size), generator=g)]     # [steps, global batch]
+        self.draws = pool[torch.randint(len(pool), (steps, batch_size), generator=generator)]   # [steps, global batch]
         self.images, self.labels, self.regions, self.normalize = images, labels, regions, normalize
         self.rank_batch = batch_size // world_size
         self.rank = rank
@@ -80,13 +79,12 @@ class LabelHead(nn.Module):
     """The model with the throw-away linear head over its image embedding (and the region term's cosine scale):
     forward(batch) -> the logits of the image labels (and of each object's labels) with their targets."""
 
-    def __init__(self, model, n_labels: int, regions: bool, seed: int = 0):
+    def __init__(self, model, head_weight: torch.Tensor, regions: bool):
         super().__init__()
         self.model, self.regions = model, regions
-        self.head = nn.Linear(model.embed_dim, n_labels)
-        g = torch.Generator().manual_seed(seed)         # the head's init from the seed, not the global RNG
-        with torch.no_grad():
-            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=g) * model.embed_dim ** -0.5)
+        self.head = nn.Linear(model.embed_dim, len(head_weight))
+        with torch.no_grad():                           # the drawn init (`label_warmup`), a zero bias
+            self.head.weight.copy_(head_weight)
             self.head.bias.zero_()
         # the region term's cosine-classifier scale (None when the term is off)
         self.region_scale = nn.Parameter(torch.tensor(10.0)) if regions else None
@@ -125,12 +123,12 @@ class LabelWarmup(Method):
     name = "label_warmup"
     find_unused_parameters = True          # the text tower (and the logit scale) take no part in the forward
 
-    def __init__(self, n_labels: int, lr: float, regions: bool = False, seed: int = 0):
+    def __init__(self, head_weight: torch.Tensor, lr: float, regions: bool = False):
         super().__init__()
-        self.n_labels, self.lr, self.regions, self.seed = n_labels, lr, regions, seed
+        self.head_weight, self.lr, self.regions = head_weight, lr, regions
 
     def build(self, model) -> nn.Module:
-        return LabelHead(model, self.n_labels, self.regions, self.seed)
+        return LabelHead(model, self.head_weight, self.regions)
 
     def loss(self) -> nn.Module:
         return LabelLoss()
@@ -140,12 +138,15 @@ class LabelWarmup(Method):
         return [{"name": "label_head", "params": params, "lr": self.lr, "weight_decay": 0.0}]
 
 
-def label_warmup(images: torch.Tensor, labels: torch.Tensor, *, steps: int, batch_size: int, lr: float, seed: int = 0,
-                 normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
+def label_warmup(images: torch.Tensor, labels: torch.Tensor, *, embed_dim: int, steps: int, batch_size: int, lr: float,
+                 seed: int = 0, normalize: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
                  regions: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rank: int = 0,
                  world_size: int = 1) -> tuple[LabelWarmup, LabelBatches]:
     """(the objective, its batches) for `Trainer(method, model, batches, cfg)` with `cfg.epochs == 1` and
-    `cfg.lr == lr`: `steps` optimiser steps of the GLOBAL `batch_size` over (images, multi-hot labels [N, V])."""
-    batches = LabelBatches(images, labels, steps=steps, batch_size=batch_size, seed=seed, normalize=normalize,
+    `cfg.lr == lr`: `steps` optimiser steps of the GLOBAL `batch_size` over (images, multi-hot labels [N, V]) for a
+    model whose image embedding has `embed_dim` dimensions."""
+    g = torch.Generator().manual_seed(seed)     # one stream: the head's init, then every step's draw
+    head_weight = torch.randn((labels.shape[1], embed_dim), generator=g) * embed_dim ** -0.5
+    batches = LabelBatches(images, labels, steps=steps, batch_size=batch_size, generator=g, normalize=normalize,
                            regions=regions, rank=rank, world_size=world_size)
-    return LabelWarmup(labels.shape[1], lr, regions is not None, seed + 1), batches
+    return LabelWarmup(head_weight, lr, regions is not None), batches
