@@ -2,7 +2,7 @@
 
 The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
 loop. What differs between methods is a hook here, called by the trainer without asking who answers; the defaults
-are open_clip's conventions (METHODS.md 0.3). Construction: `cls(**config)`, where `config` is the run's own params
+are open_clip's conventions (`clipfinetune/conventions.py`, METHODS.md 0.3; a method never imports the trainer). Construction: `cls(**config)`, where `config` is the run's own params
 group `runs.<run>` without its `method` (loss weights, `terms`, `unlocked_vision_layers`, `max_sentences`, ...) plus
 the keys of `train.<method>` that the method lists in `train_keys` (e.g. MulCLIP's `new_module_lr`).
 A subclass either names its keyword arguments (a typo in params.yaml then fails loudly) or reads `self.config`.
@@ -18,16 +18,13 @@ Every trainable parameter must get a gradient at every step (freeze what a run d
 """
 from __future__ import annotations
 
-import math
 import random
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from clipfinetune.train.optim import no_weight_decay
-
-MAX_LOGIT_SCALE = math.log(100)        # open_clip clamps the logit scale to [0, ln 100] after every step
+from clipfinetune.conventions import MAX_LOGIT_SCALE, no_weight_decay
 
 
 class Method:

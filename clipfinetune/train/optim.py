@@ -1,10 +1,10 @@
 """AdamW with open_clip's parameter groups, and the cosine schedule with linear warm-up.
 
 open_clip (`open_clip_train/main.py`, METHODS.md 0.3): parameters with `ndim < 2` or whose name contains
-`bn`, `ln`, `bias` or `logit_scale` get no weight decay; every other trainable parameter gets `wd`. The rule is a
-function (`no_weight_decay`), so a caller may pass another (`Method.no_weight_decay`). Extra groups claim
-parameters for their own learning rate (`Method.param_groups`); those are split by the same decay rule. Frozen
-parameters (`requires_grad=False`, e.g. teachers) are not optimised. Every group carries `log_as`, the name its
+`bn`, `ln`, `bias` or `logit_scale` get no weight decay (`conventions.no_weight_decay`); every other trainable
+parameter gets `wd`. The rule is a function, so a caller may pass another (`Method.no_weight_decay`). Extra
+groups claim parameters for their own learning rate (`Method.param_groups`); those are split by the same decay
+rule. Frozen parameters (`requires_grad=False`, e.g. teachers) are not optimised. Every group carries `log_as`, the name its
 learning rate is logged under: `lr` for the default group, `lr_<name>` for an extra one (both halves of a split).
 """
 from __future__ import annotations
@@ -15,12 +15,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from clipfinetune.conventions import no_weight_decay
+
 DEFAULT = "default"         # the group of every parameter no extra group claims (at `train.lr`)
-
-
-def no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """open_clip's exclusion rule: norms, biases, gains, embeddings of ndim < 2, and the logit scale."""
-    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 
 def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list[dict] = (),
