@@ -98,16 +98,18 @@ def main() -> None:
                 batch_size=session.global_batch, lr=lr, seed=cfg.seed, normalize=source.normalize,
                 regions=source.regions if warmup_regions else None, rank=dist.rank, world_size=dist.world_size)
             warmup_cfg = dataclasses.replace(cfg, epochs=1, lr=lr, grad_clip=0.0)    # the contrastive schedule's
-            session.trainer(objective, model, batches, cfg=warmup_cfg,                  # warm-up and wd, no clip
-                            checkpoint_dir=checkpoints / "label_warmup", live_dir=live_dir / "label_warmup",
-                            fingerprint=fp, desc="label warm-up").fit()
+            warmup = session.trainer(objective, model, batches, cfg=warmup_cfg,        # warm-up and wd, no clip
+                                     checkpoint_dir=checkpoints / "label_warmup", fingerprint=fp,
+                                     desc="label warm-up")
+            objective.final_model(session.fit(warmup, live_dir / "label_warmup"), model)   # the text tower thawed
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
-        session.trainer(method, model, source, checkpoint_dir=checkpoints, live_dir=live_dir, fingerprint=fp,
-                        desc="pretrain").fit()
+        trainer = session.trainer(method, model, source, checkpoint_dir=checkpoints, fingerprint=fp, desc="pretrain")
+        session.fit(trainer, live_dir)
         session.export(model, out, live_dir=live_dir, note="device.json", checkpoint_dir=checkpoints,
                        keep_checkpoint=settings["keep_checkpoint"])
         log.info("exported %s", out)
         params.check_all_read()
+
 
 if __name__ == "__main__":
     main()

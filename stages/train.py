@@ -75,8 +75,9 @@ def main() -> None:
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), session.dist.world_size)
         live_dir, checkpoint_dir = ROOT / "dvclive" / "train" / args.run, ROOT / "checkpoints" / args.run
-        module = session.trainer(method, model, loader, checkpoint_dir=checkpoint_dir, live_dir=live_dir,
-                                 fingerprint=fp, desc=params.stage).fit()
+        trainer = session.trainer(method, model, loader, checkpoint_dir=checkpoint_dir, fingerprint=fp,
+                                  desc=params.stage)
+        module = session.fit(trainer, live_dir)
         session.export(method.final_model(module, model), ROOT / "models" / args.run, live_dir=live_dir,
                        record={"samples": loader.num_samples, "wanted": loader.num_wanted,
                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,

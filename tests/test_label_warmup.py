@@ -1,8 +1,7 @@
 """The image tower's label warm-up before contrastive pretraining (`clipfinetune.sample.pretrain.label_warmup`), run
-by the one Trainer: the loss curve is what the Trainer logs (dvclive)."""
+by the one Trainer: the loss curve is what the Trainer hands its monitor."""
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
@@ -13,15 +12,22 @@ from clipfinetune.sample.pretrain.label_warmup import label_warmup as objective
 from clipfinetune.train import NonFiniteLossError, TrainConfig, Trainer
 
 
+class Curve(list):
+    """A monitor that keeps every step's total loss."""
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.append(scalars["loss"])
+
+
 def label_warmup(model, images, labels, *, steps, lr, batch_size, warmup=0, wd=0.0, seed=0, regions=None,
-                 precision="fp32", live_dir) -> list[float]:
-    """The stage's warm-up on one rank: the objective and its batches through the Trainer; its logged loss curve."""
+                 precision="fp32") -> list[float]:
+    """The stage's warm-up on one rank: the objective and its batches through the Trainer; its loss curve."""
     method, batches = objective(images, labels, embed_dim=model.embed_dim, steps=steps, batch_size=batch_size, lr=lr,
                                 seed=seed, regions=regions)
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=lr, warmup=warmup, wd=wd, seed=seed, precision=precision)
-    Trainer(method, model, batches, cfg, live_dir=live_dir).fit()
-    with open(live_dir / "plots" / "metrics" / "loss.tsv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f, delimiter="\t")]
+    curve = Curve()
+    method.final_model(Trainer(method, model, batches, cfg).fit(curve), model)
+    return curve
 
 
 def _data(n=32):
@@ -37,40 +43,40 @@ def _data(n=32):
     return images, labels
 
 
-def _run(steps, live_dir, seed=0):
+def _run(steps, seed=0):
     torch.manual_seed(0)
     model = load_model("cft-tiny-vit")
     images, labels = _data()
     text_before = {n: p.detach().clone() for n, p in model.clip.named_parameters() if not n.startswith("visual.")}
-    curve = label_warmup(model, images, labels, steps=steps, lr=3e-3, batch_size=16, warmup=2, wd=0.1, seed=seed,
-                         live_dir=live_dir)
+    curve = label_warmup(model, images, labels, steps=steps, lr=3e-3, batch_size=16, warmup=2, wd=0.1, seed=seed)
     return model, curve, text_before
 
 
-def test_label_warmup_learns_the_labels_and_trains_only_the_image_tower(tmp_path):
-    model, curve, text_before = _run(steps=30, live_dir=tmp_path)
+def test_label_warmup_learns_the_labels_and_trains_only_the_image_tower():
+    model, curve, text_before = _run(steps=30)
     assert len(curve) == 30
     # two labels of 1/2 each: the floor is ln 2; a head that tells top from bottom gets near it, chance is higher
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 0.2
     for name, param in model.clip.named_parameters():
         if not name.startswith("visual."):
             assert torch.equal(param, text_before[name]), name
+    assert all(p.requires_grad for p in model.parameters())      # frozen for the warm-up, trainable again after
 
 
-def test_label_warmup_is_a_function_of_its_seed(tmp_path):
-    a, _, _ = _run(steps=3, live_dir=tmp_path / "a", seed=1)
-    b, _, _ = _run(steps=3, live_dir=tmp_path / "b", seed=1)
-    c, _, _ = _run(steps=3, live_dir=tmp_path / "c", seed=2)
+def test_label_warmup_is_a_function_of_its_seed():
+    a, _, _ = _run(steps=3, seed=1)
+    b, _, _ = _run(steps=3, seed=1)
+    c, _, _ = _run(steps=3, seed=2)
     pa, pb, pc = (torch.cat([p.flatten() for p in m.clip.visual.parameters()]) for m in (a, b, c))
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
 
 
-def test_label_warmup_draws_only_labelled_images_and_needs_one(tmp_path):
+def test_label_warmup_draws_only_labelled_images_and_needs_one():
     model = load_model("cft-tiny-vit")
     images, labels = _data(4)
     labels[1:] = 0.0
     images[1:] = float("nan")                 # an unlabelled image in a batch would make the loss NaN
-    curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=4, live_dir=tmp_path)
+    curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=4)
     assert len(curve) == 2 and not any(math.isnan(v) for v in curve)
     with pytest.raises(ValueError, match="label"):
         objective(images, torch.zeros_like(labels), embed_dim=8, steps=1, batch_size=4, lr=1e-3)
@@ -108,14 +114,14 @@ def _region_accuracy(model, images, regions):
     return float(((feats @ centroids.T).argmax(1) == target).float().mean())
 
 
-def test_label_warmup_region_term_teaches_the_dense_features_what_sits_in_each_box(tmp_path):
+def test_label_warmup_region_term_teaches_the_dense_features_what_sits_in_each_box():
     images, labels, regions = _two_object_data()
     accuracy = {}
     for use_regions in (False, True):
         torch.manual_seed(0)
         model = load_model("cft-tiny-vit")
         curve = label_warmup(model, images, labels, steps=40, lr=3e-3, batch_size=16, warmup=2, wd=0.1,
-                             regions=regions if use_regions else None, live_dir=tmp_path / str(use_regions))
+                             regions=regions if use_regions else None)
         assert len(curve) == 40
         accuracy[use_regions] = _region_accuracy(model, images, regions)
     # Random features tell these patterns apart; training the pooled embedding alone (the image term) then mixes the
@@ -123,17 +129,16 @@ def test_label_warmup_region_term_teaches_the_dense_features_what_sits_in_each_b
     assert accuracy[True] >= 0.8 and accuracy[True] > accuracy[False] + 0.2, accuracy
 
 
-def test_label_warmup_with_regions_draws_unlabelled_images_too(tmp_path):
+def test_label_warmup_with_regions_draws_unlabelled_images_too():
     images, labels, regions = _two_object_data(6)
     labels[:] = 0.0
     labels[0, 0] = 1.0                                        # one labelled image; the region term uses all six
     images[1:] = float("nan")                                 # a drawn unlabelled image makes the loss NaN
     model = load_model("cft-tiny-vit")
-    curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=6, live_dir=tmp_path / "image")
+    curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=6)
     assert len(curve) == 2 and not any(math.isnan(v) for v in curve)
     with pytest.raises(NonFiniteLossError, match="region_labels"):      # the Trainer's guard names the term
-        label_warmup(load_model("cft-tiny-vit"), images, labels, steps=1, lr=1e-3, batch_size=6, regions=regions,
-                     live_dir=tmp_path / "regions")
+        label_warmup(load_model("cft-tiny-vit"), images, labels, steps=1, lr=1e-3, batch_size=6, regions=regions)
     with pytest.raises(ValueError, match="region"):
         objective(images, labels, embed_dim=8, steps=1, batch_size=6, lr=1e-3, regions=regions[:2])
 
@@ -149,8 +154,7 @@ def test_label_warmup_in_bf16_runs_the_forward_under_autocast_and_still_learns(t
         return encode(*args, **kwargs)
     model.encode_image = spy
     images, labels = _data()
-    curve = label_warmup(model, images, labels, steps=30, lr=3e-3, batch_size=16, warmup=2, wd=0.1, precision="bf16",
-                         live_dir=tmp_path)
+    curve = label_warmup(model, images, labels, steps=30, lr=3e-3, batch_size=16, warmup=2, wd=0.1, precision="bf16")
     assert seen == [(True, torch.bfloat16)] * 30
     assert all(p.dtype == torch.float32 for p in model.clip.visual.parameters())     # autocast, not a cast model
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 0.2

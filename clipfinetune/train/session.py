@@ -1,12 +1,12 @@
 """The wiring every training entry point shares (stages `train@<run>` and `pretrain`, the research probes in
 benchmarks/), so that none repeats it: the device and the process group, the GLOBAL batch split per rank, the
 settings (`TrainConfig`), the seed, the `Trainer` over a checkpoint folder whose fingerprint every rank agrees on,
-the export by the main rank, and the clean-up.
+its resume and its monitor (dvclive + progress bar on the main rank), the export by the main rank, and the clean-up.
 
     with training_session(settings, precision, device, batch_param="train.batch_size", log=log) as session:
         model = load_model(...)                          # after the seed: the same initial weights on every rank
-        trainer = session.trainer(method, model, source, checkpoint_dir=..., live_dir=..., fingerprint=fp)
-        module = trainer.fit()
+        trainer = session.trainer(method, model, source, checkpoint_dir=..., fingerprint=fp)
+        module = session.fit(trainer, live_dir)          # trainer.resume(), then trainer.fit(monitor)
         session.export(method.final_model(module, model), out_dir, live_dir=..., record={...})
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from clipfinetune.distributed import DistInfo, cleanup, init_distributed
 from .checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
 from .config import TrainConfig, per_rank_batch_size, resolve_precision
 from .loop import Trainer
+from .monitor import Monitor
 
 
 @dataclass
@@ -30,15 +31,22 @@ class TrainingSession:
     cfg: TrainConfig              # batch_size: this rank's share of `global_batch`
     global_batch: int
 
-    def trainer(self, method, model, source, *, cfg: TrainConfig | None = None, checkpoint_dir=None, live_dir=None,
+    def trainer(self, method, model, source, *, cfg: TrainConfig | None = None, checkpoint_dir=None,
                 fingerprint: str = "", desc: str = "train") -> Trainer:
         """The one Trainer on this session's ranks (`cfg`: another phase's settings, e.g. pretrain's label warm-up);
         with a fingerprint, every rank must hold the same one first (a rank whose code, data or params differ would
         resume, or start, another run than its peers)."""
         if fingerprint:
             check_ranks_agree(fingerprint, self.dist)
-        return Trainer(method, model, source, cfg or self.cfg, checkpoint_dir=checkpoint_dir, live_dir=live_dir,
-                       fingerprint=fingerprint, dist=self.dist, desc=desc)
+        return Trainer(method, model, source, cfg or self.cfg, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint,
+                       dist=self.dist, desc=desc)
+
+    def fit(self, trainer: Trainer, live_dir: str | os.PathLike | None = None):
+        """`trainer.resume()` (its checkpoint, when the fingerprint matches), then `trainer.fit` logging every step to
+        the main rank's monitor (dvclive in `live_dir`, resumed with the run; a progress bar). Returns the module."""
+        resumed = trainer.resume()
+        with Monitor(live_dir, trainer.total_steps, trainer.step, resumed, self.dist.is_main, trainer.desc) as monitor:
+            return trainer.fit(monitor)
 
     def export(self, model, out_dir: str | os.PathLike, *, live_dir: str | os.PathLike | None = None,
                note: str = "data.json", record: dict | None = None, checkpoint_dir: str | os.PathLike | None = None,

@@ -20,8 +20,8 @@ whole-image zero-shot reached 92%, #22). A detector-style start, as CLIPs initia
 have; with regions every image takes part (the image term only on images with labels).
 
 The Trainer's AdamW over open_clip's parameter groups (the head and the region scale without decay), warm-up and
-cosine decay; only the image tower and the head get gradients (the text tower takes no part: `find_unused_parameters`
-for DDP, and AdamW leaves a parameter without a gradient untouched). One generator seeded by `seed` draws the head's
+cosine decay; only the image tower and the head train: the rest of the model (text tower, logit scale) is frozen while
+the warm-up runs and thawed by `final_model` for the contrastive phase. One generator seeded by `seed` draws the head's
 initial weights, then every step's batch (with replacement), so the result is a function of the inputs; each rank
 takes its slice of every global batch.
 """
@@ -121,14 +121,27 @@ class LabelWarmup(Method):
     """The warm-up as the Trainer sees a method: `LabelHead` to optimise, `LabelLoss` to minimise, the head in its
     own group without weight decay (at the warm-up's `lr`)."""
     name = "label_warmup"
-    find_unused_parameters = True          # the text tower (and the logit scale) take no part in the forward
 
     def __init__(self, head_weight: torch.Tensor, lr: float, regions: bool = False):
         super().__init__()
         self.head_weight, self.lr, self.regions = head_weight, lr, regions
+        self.frozen: list[nn.Parameter] = []
+
+    def unused_model_parameters(self, model) -> list[nn.Parameter]:
+        image_tower = {id(p) for p in model.clip.visual.parameters()}
+        return [p for p in model.parameters() if id(p) not in image_tower]
 
     def build(self, model) -> nn.Module:
+        self.frozen = [p for p in self.unused_model_parameters(model) if p.requires_grad]
+        for p in self.frozen:               # no gradient reaches them: frozen, so DDP and weight decay leave them be
+            p.requires_grad_(False)
         return LabelHead(model, self.head_weight, self.regions)
+
+    def final_model(self, module: nn.Module, model):
+        """The model as the next phase takes it: what `build` froze trains again."""
+        for p in self.frozen:
+            p.requires_grad_(True)
+        return model
 
     def loss(self) -> nn.Module:
         return LabelLoss()
