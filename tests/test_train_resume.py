@@ -181,6 +181,8 @@ def _write_shards(root, n=24, per_shard=12):
     import webdataset as wds
     from PIL import Image
 
+    from clipfinetune.data.prepare.shards import write_index
+
     root.mkdir()
     for s in range(n // per_shard):
         with wds.TarWriter(str(root / f"train-{s:06d}.tar")) as sink:
@@ -192,6 +194,7 @@ def _write_shards(root, n=24, per_shard=12):
                           "long_caption": "", "word_regions": [], "sentences": [], "local_pair": [], "negatives": []}
                 sink.write({"__key__": f"coco_{i}", "jpg": jpg.getvalue(), "txt": caps[0],
                             "json": _json.dumps(record).encode()})
+    write_index(root)
 
 
 class _Crashing:
@@ -200,8 +203,8 @@ class _Crashing:
     def __init__(self, source, crash_at):
         self.source, self.crash_at = source, crash_at
 
-    def __len__(self):
-        return len(self.source)
+    def epoch_length(self, epoch):
+        return self.source.epoch_length(epoch)
 
     def batches(self, epoch, start=0):
         for i, batch in enumerate(self.source.batches(epoch, start), start=start):
@@ -230,8 +233,7 @@ def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(t
     ctx = ExampleContext(transform, tokenize, SIZE)
 
     def trainer(name, crash_at=None):
-        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=4, seed=0, num_workers=2,
-                             shuffle_buffer=8)
+        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=4, seed=0, num_workers=2)
         source = _Crashing(loader, crash_at) if crash_at else loader
         return Trainer(ClipMethod(), TinyClipModel(seed=0), source,
                        config(epochs=2, batch_size=4, checkpoint_every=4, lr=2e-3), checkpoint_dir=tmp_path / name,
