@@ -232,18 +232,31 @@ def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(t
 
     ctx = ExampleContext(transform, tokenize, SIZE)
 
-    def trainer(name, crash_at=None):
-        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=4, seed=0, num_workers=2)
+    def trainer(name, crash_at=None, batch=4, epochs=2, every=4):
+        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=batch, seed=0, num_workers=2)
         source = _Crashing(loader, crash_at) if crash_at else loader
         return Trainer(ClipMethod(), TinyClipModel(seed=0), source,
-                       config(epochs=2, batch_size=4, checkpoint_every=4, lr=2e-3), checkpoint_dir=tmp_path / name,
-                       fingerprint="shards")
+                       config(epochs=epochs, batch_size=batch, checkpoint_every=every, lr=2e-3),
+                       checkpoint_dir=tmp_path / name, fingerprint="shards")
 
     straight = trainer("straight").fit()
     with pytest.raises(KeyboardInterrupt):
         trainer("resumed", crash_at=(0, 5)).fit()                 # 6 steps per epoch; last checkpoint: step 4
     again = trainer("resumed")
     assert again.resumed and again.step == 4
+    resumed = again.fit()
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    # 24 images, batch 7: one stream of passes cut into batches, so epochs of ceil(24 e / 7) steps: 4, 3, 4
+    odd = {"batch": 7, "epochs": 3, "every": 2}
+    straight = trainer("odd-straight", **odd)
+    assert straight.epoch_steps == [4, 3, 4] and straight.total_steps == 11
+    straight = straight.fit()
+    with pytest.raises(KeyboardInterrupt):
+        trainer("odd", crash_at=(1, 2), **odd).fit()              # the third step of epoch 1 (step 7)
+    again = trainer("odd", **odd)
+    assert again.resumed and again.step == 6 and again.epoch_position(6) == (1, 2)
     resumed = again.fit()
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name

@@ -77,12 +77,12 @@ class Trainer:
 
         self.module = method.build(model).to(self.device)
         self.loss_fn = method.loss().to(self.device)
-        self.epoch_steps = [source.epoch_length(e) // cfg.accum_steps for e in range(cfg.epochs)]   # steps per epoch
-        if min(self.epoch_steps) < 1:
-            e = self.epoch_steps.index(min(self.epoch_steps))
-            raise ValueError(f"{desc}: the data gives {source.epoch_length(e)} micro-batches in epoch {e} on this "
-                             f"rank, fewer than accum_steps={cfg.accum_steps}: nothing to train on")
+        # steps per epoch (an epoch may have none: a pass smaller than a global batch ends inside the previous one)
+        self.epoch_steps = [source.epoch_length(e) // cfg.accum_steps for e in range(cfg.epochs)]
         self.total_steps = sum(self.epoch_steps)
+        if self.total_steps < 1:
+            raise ValueError(f"{desc}: the data gives {source.epoch_length(0)} micro-batches per epoch on this rank, "
+                             f"fewer than accum_steps={cfg.accum_steps}: nothing to train on")
         groups = parameter_groups(self.module, cfg.lr, cfg.wd, method.param_groups(self.module),
                                   exclusions=method.weight_decay_exclusions)
         self.params = [p for g in groups for p in g["params"]]
