@@ -88,12 +88,15 @@ def test_exact_resume_with_workers(shards):
     assert same(full, run(loader, 2))                                   # persistent workers, same epoch again
     assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2), 2))
     assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=3), 2))
+    state = torch.get_rng_state()
+    assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0), 2))  # no worker
+    assert torch.equal(state, torch.get_rng_state())                   # ... and the process's RNG untouched
     for k in (3, 4, loader.epoch_length(2)):
         fresh = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2)
         assert same(run(fresh, 2, start=k), full[k:])                  # a restarted process resumes exactly
 
 
-def test_a_worker_seeds_torch_from_each_examples_rng(shards):
+def test_each_example_seeds_torch_from_its_rng(shards):
     """The documented rule (module docstring): the example at stream position p gets rng = Random("seed:p") and its
     first draw, getrandbits(63), seeds torch's CPU generator before make_example; so an augmentation's torch draws
     are a function of the position (what resume and the sample DAG's bytes rely on). Epoch e of one rank with

@@ -30,9 +30,9 @@ An epoch is cut in named steps, read top to bottom (`UnitTable` -> `Schedule` ->
    pass (its last, partial batch) is settled first and never changed again, so the next pass computes it from
    (seed, e - 1) alone. With fewer units than a global batch no swap is possible and siblings may meet.
 6. **Examples** (`_EpochStream`): the unit at stream position p is decoded and `make_example(record, image, rng,
-   ctx)` gets rng = `random.Random(f"{seed}:{p}")`; in a worker, its first draw (`getrandbits(63)`) seeds the worker's
-   CPU torch generator first, so random augmentations are a function of the position too (with num_workers=0 the
-   main process's RNG is untouched). A corrupt image (the `shards` stage verified every image, so only on-disk damage
+   ctx)` gets rng = `random.Random(f"{seed}:{p}")`; its first draw (`getrandbits(63)`) seeds the CPU torch generator
+   first, so random augmentations are a function of the position too, at any worker count (with num_workers=0 the
+   main process's torch RNG is saved and restored around the example). A corrupt image (the `shards` stage verified every image, so only on-disk damage
    after it) is a counted skip (`corrupt_images_skipped`); in training the next unit of the pass order that decodes
    takes its place (counted as `units_repeated`), so every rank's batch keeps its size.
 
@@ -480,13 +480,16 @@ class _EpochStream(IterableDataset):
         epoch, start = int(self.shared_epoch.value), int(self.shared_start.value)
         worker, workers = _worker()
         for micro in self.schedule.micro_batches(epoch, start, worker, workers, rank=self.cfg.rank):
-            yield self._batch(self.schedule.batch_positions(micro, self.cfg.rank))
+            batch = self._batch(self.schedule.batch_positions(micro, self.cfg.rank))
+            if batch is not None:
+                yield batch
 
-    def _batch(self, positions: np.ndarray) -> dict:
+    def _batch(self, positions: np.ndarray) -> dict | None:
+        """The collated examples at `positions` with their counts; None for a validation batch of corrupt images."""
         stats: Counter = Counter()
         examples = [e for e in (self._example(int(p), stats) for p in positions) if e is not None]
         stats["examples"] += len(examples)
-        return {"batch": default_collate(examples), "stats": dict(stats)}
+        return {"batch": default_collate(examples), "stats": dict(stats)} if examples else None
 
     def _example(self, position: int, stats: Counter) -> dict | None:
         found = self._decoded(position, stats)
@@ -494,12 +497,16 @@ class _EpochStream(IterableDataset):
             return None
         record, image = found
         rng = random.Random(f"{self.cfg.seed}:{position}")
-        if torch.utils.data.get_worker_info() is not None:      # never touch the main process's RNG
-            # torch draws (random augmentations) become a function of the position too; the CPU generator only:
-            # torch.manual_seed also queues lazy CUDA/XPU/MPS seeding, each with a traceback.format_stack()
-            # (~0.1 ms per call, half a worker's CPU on small images)
-            torch.default_generator.manual_seed(rng.getrandbits(63))
-        return self.cfg.method.make_example(record, image, rng, self.cfg.ctx)
+        # torch draws (random augmentations) become a function of the position too; the CPU generator only:
+        # torch.manual_seed also queues lazy CUDA/XPU/MPS seeding, each with a traceback.format_stack() (~0.1 ms per
+        # call, half a worker's CPU on small images)
+        torch_seed = rng.getrandbits(63)
+        if torch.utils.data.get_worker_info() is not None:
+            torch.default_generator.manual_seed(torch_seed)
+            return self.cfg.method.make_example(record, image, rng, self.cfg.ctx)
+        with torch.random.fork_rng(devices=[]):                 # the main process's own RNG is left as it was
+            torch.default_generator.manual_seed(torch_seed)
+            return self.cfg.method.make_example(record, image, rng, self.cfg.ctx)
 
     def _decoded(self, position: int, stats: Counter):
         """(record, decoded image) of the unit at `position`; a corrupt image is a counted skip, replaced in training
@@ -514,7 +521,8 @@ class _EpochStream(IterableDataset):
                 if not self.cfg.train:
                     return None
                 continue
-            stats["units_repeated"] += n > 0
+            if n:
+                stats["units_repeated"] += 1
             return record, image
         raise InputError(self.units.store.paths[0], None, "no image of this epoch's units decodes")
 
