@@ -446,8 +446,8 @@ class ValidationSchedule:
         return range(start + worker, self.epoch_length(epoch, rank), workers)
 
     def batch_positions(self, micro: int, rank: int) -> np.ndarray:
-        mine = np.arange(rank, self.units, self.world_size)
-        return mine[micro * self.micro_batch:(micro + 1) * self.micro_batch]
+        mine = len(range(rank, self.units, self.world_size))
+        return np.arange(micro * self.micro_batch, min((micro + 1) * self.micro_batch, mine)) * self.world_size + rank
 
     def units_at(self, positions: np.ndarray) -> np.ndarray:
         return np.asarray(positions, dtype=np.int64)
