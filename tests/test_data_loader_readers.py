@@ -184,3 +184,14 @@ def test_a_missing_or_broken_index_is_an_error_naming_the_file(shards, tmp_path)
     with pytest.raises(InputError, match="shorter than") as err:
         ShardLoader(copy, "train", StubMethod(), CTX, batch_size=2)
     assert str(shard) in str(err.value)
+
+
+def test_validation_ranks_read_every_record_once(shards):  # noqa: F811
+    keys = []
+    for rank in range(3):
+        loader = ShardLoader(shards, "val", StubMethod(), CTX, batch_size=2, train=False, num_workers=2, rank=rank,
+                             world_size=3)
+        batches = run(loader, 0)
+        assert len(batches) == loader.epoch_length(0)
+        keys += [k for s, _, _ in batches for k in s]
+    assert sorted(keys) == sorted(records(shards, "val"))
