@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         ctx = ExampleContext.of_model(model)
         loader = ShardLoader(root / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
-                             epoch_samples=cfg.epoch_samples)     # the run's workers: they set the batches per epoch
+                             epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps)   # the run's batches
         trainer = session.trainer(method, model, loader, desc=f"terms@{args.run}")
         backbone = [p for p in model.parameters() if p.requires_grad]
         new = [p for p in trainer.loss_fn.parameters() if p.requires_grad]

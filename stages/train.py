@@ -70,7 +70,8 @@ def main() -> None:
         ctx = ExampleContext.of_model(model, model.train_transform() if random_crop else None, random_crop)
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
-                             epoch_samples=cfg.epoch_samples)
+                             epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps,
+                             rank=session.dist.rank, world_size=session.dist.world_size)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), session.dist.world_size)
@@ -80,8 +81,10 @@ def main() -> None:
         module = session.fit(trainer, live_dir)
         session.export(method.final_model(module, model), ROOT / "models" / args.run, live_dir=live_dir,
                        record={"samples": loader.num_samples, "wanted": loader.num_wanted,
+                               "dropped_by_method": loader.dropped_by_method,
                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                               "batches_per_epoch": len(loader), **dict(loader.stats)},
+                               "batches_per_epoch": loader.epoch_length(0), "steps": trainer.total_steps,
+                               **dict(loader.stats)},
                        checkpoint_dir=checkpoint_dir, keep_checkpoint=params["train.keep_checkpoint"])
         log.info("exported models/%s", args.run)
         params.check_all_read()

@@ -63,6 +63,9 @@ class LabelBatches:
     def __len__(self) -> int:
         return len(self.draws)
 
+    def epoch_length(self, epoch: int) -> int:           # loop.BatchSource: the warm-up is one epoch of `steps`
+        return len(self.draws)
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
         for step in range(start, len(self.draws)):
             idx = self.draws[step, self.rank * self.rank_batch:(self.rank + 1) * self.rank_batch]
