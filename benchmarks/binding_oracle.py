@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clipfinetune.eval.encode import Encoder
+from clipfinetune.keys import lookup
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
@@ -268,10 +269,7 @@ def evaluate(model, root: Path, benchmarks: dict, batch_size: int) -> dict:
     flat = {}
     for key in list(THRESHOLDS) + list(TARGETS) + ["compositionality.sugarcrepe.sample.mean",
                                                    "compositionality.sugarcrepe.sample.replace_att"]:
-        node = metrics
-        for part in key.split("."):
-            node = node[part]
-        flat[key] = round(float(node), 2)
+        flat[key] = round(float(lookup(metrics, key)), 2)
     return flat
 
 
@@ -279,12 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
     import yaml
 
     from clipfinetune.data.readers import read_source
-    from clipfinetune.distributed import DistInfo
     from clipfinetune.models import load_model
-    from clipfinetune.train import TrainConfig, Trainer
-    from clipfinetune.train.checkpoint import seed_everything
-    from clipfinetune.train.config import resolve_precision
-    from clipfinetune.train.sources import split_normalize
+    from clipfinetune.sample.pretrain.sources import split_normalize
+    from clipfinetune.train.session import training_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=".", help="workspace with data/sample and models/base")
@@ -322,16 +317,15 @@ def main(argv: list[str] | None = None) -> dict:
     results["base"] = {**evaluate(base, root, benchmarks, 128), **diagnostics(base, root, train_files, train_scenes, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
-        cfg = TrainConfig(**train, precision=resolve_precision(params["model"]["precision"], device))
-        seed_everything(cfg.seed)
-        model = load_model(f"local-dir:{root / args.base}", device=device)
-        source = ProbeSource(images, normalize, captions, pairs if variant != "clip" else [[] for _ in records],
-                             model.tokenize,
-                             cfg.batch_size, cfg.seed, BINDING_SHARE)
-        method = ProbeMethod(negatives=variant.startswith("oracle"), pair_weight=1.0 if variant == "oracle_pair" else 0)
-        trainer = Trainer(method, model, source, cfg, desc=variant,
-                          dist=DistInfo(device=device))
-        trainer.fit()
+        with training_session(train, params["model"]["precision"], args.device) as session:   # train@'s wiring
+            cfg = session.cfg
+            model = load_model(f"local-dir:{root / args.base}", device=device)
+            source = ProbeSource(images, normalize, captions, pairs if variant != "clip" else [[] for _ in records],
+                                 model.tokenize, cfg.batch_size, cfg.seed, BINDING_SHARE)
+            method = ProbeMethod(negatives=variant.startswith("oracle"),
+                                 pair_weight=1.0 if variant == "oracle_pair" else 0)
+            trainer = session.trainer(method, model, source, desc=variant)
+            trainer.fit()
         results[variant] = {"steps": trainer.step, **evaluate(model, root, benchmarks, 128),
                             **diagnostics(model, root, train_files, train_scenes, pairs)}
         print(variant, json.dumps(results[variant]), f"({time.perf_counter() - t0:.0f} s)", flush=True)

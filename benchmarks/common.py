@@ -13,7 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "_work"
 SHARDS = ROOT / "data" / "shards"
-LONG_CONTEXT = 248
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
 
 

@@ -67,7 +67,7 @@ def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_step
     seed_everything(0)
     model = load_model("local-dir:" + model_dir, device=device)
     method = build_method("clip")
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+    ctx = ExampleContext.of_model(model)
     loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
     trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=torch.device(device)))
     if max_steps:                                   # the loop runs epoch_steps[0] steps of its one epoch
@@ -149,7 +149,7 @@ def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6, samp
     def ours(trim: bool):
         model = load_model("local-dir:" + str(model_dir))
         method = build_method("clip")
-        ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+        ctx = ExampleContext.of_model(model)
         batch = make_batch(method, ctx, samples, batch_size)
         if not trim:
             model._can_trim = lambda: False

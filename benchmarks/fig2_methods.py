@@ -103,8 +103,7 @@ def setup(name: str, model_dir, params: dict, batch_size: int = BATCH):
 
     model = load_model("local-dir:" + str(model_dir))
     method = build_method(name, **method_config(name, params))
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda texts: model.tokenize(texts, context_length=248))
+    ctx = ExampleContext.of_model(model)
     batch = make_batch(method, ctx, shard_samples(), batch_size)
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=1e-5, warmup=0, wd=0.1, grad_clip=1.0)
     trainer = Trainer(method, model, FixedSource(batch), cfg, desc=f"bench-{name}")

@@ -238,7 +238,7 @@ def loader_bench(model_dir, batch_size: int = 64, workers: int = 2, log=print) -
 
     model = load_model("local-dir:" + str(model_dir))
     method = build_method("clip")
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+    ctx = ExampleContext.of_model(model)
     rates = []
     for epoch in range(2):                      # fresh loader each time: worker start-up not counted
         t0 = time.perf_counter()

@@ -73,8 +73,7 @@ def method_step(name: str, model_dir, params: dict, log) -> dict:
     device = torch.device("cuda:0")
     model = load_model("local-dir:" + str(model_dir), device=device)
     method = build_method(name, **method_config(name, params))
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda texts: model.tokenize(texts, context_length=248))
+    ctx = ExampleContext.of_model(model)
     cfg = TrainConfig(epochs=1, batch_size=BATCH, lr=1e-5, wd=0.1, grad_clip=1.0, precision="bf16")
     trainer = Trainer(method, model, FixedSource(None), cfg, dist=DistInfo(device=device), desc=f"gpu-{name}")
     batch = trainer._to_device(make_batch(method, ctx, shard_samples(), BATCH))
@@ -126,7 +125,7 @@ def loader_vs_step(model_dir, shards, size: dict, device: str, precision: str, l
     batch_size, workers = size["batch"], size["workers"]
     model = load_model("local-dir:" + str(model_dir), device=device)
     method = build_method("clip")
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+    ctx = ExampleContext.of_model(model)
     loader = ShardLoader(shards, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
     it = iter(loader.batches(0))
     batch = next(it)                            # worker start-up and the first batch not counted

@@ -86,12 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     import yaml
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
-    from clipfinetune.distributed import DistInfo
     from clipfinetune.methods import get_method
     from clipfinetune.models import load_model
-    from clipfinetune.train import TrainConfig, Trainer
-    from clipfinetune.train.checkpoint import seed_everything
-    from clipfinetune.train.config import resolve_precision
+    from clipfinetune.train.session import training_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=".", help="workspace with params.yaml, data/shards and models/base")
@@ -104,33 +101,31 @@ def main(argv: list[str] | None = None) -> dict:
     method_name = run.pop("method")
     method_cls = get_method(method_name)
     settings, extras = run_regime(params["train"], method_name, method_cls.train_keys)
-    device = torch.device("cpu")
-    cfg = TrainConfig(**settings, precision=resolve_precision(params["model"]["precision"], device))
-    method = method_cls(**run, **extras)
-    seed_everything(cfg.seed)
-    model = load_model(f"local-dir:{root / 'models' / 'base'}", device=device)
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda texts: model.tokenize(texts, context_length=248))
-    loader = ShardLoader(root / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
-                         seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
-                         epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps)   # the run's batches
-    trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=device), desc=f"terms@{args.run}")
-    backbone = [p for p in model.parameters() if p.requires_grad]
-    new = [p for p in trainer.loss_fn.parameters() if p.requires_grad]
-    records: list[dict] = []
-    compute = trainer.compute_gradients
-    t0 = time.perf_counter()
+    with training_session(settings, params["model"]["precision"], "cpu") as session:    # train@'s wiring
+        cfg = session.cfg
+        method = method_cls(**run, **extras)
+        model = load_model(f"local-dir:{root / 'models' / 'base'}", device=session.dist.device)
+        ctx = ExampleContext.of_model(model)
+        loader = ShardLoader(root / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
+                             seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
+                             epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps)   # the run's batches
+        trainer = session.trainer(method, model, loader, desc=f"terms@{args.run}")
+        backbone = [p for p in model.parameters() if p.requires_grad]
+        new = [p for p in trainer.loss_fn.parameters() if p.requires_grad]
+        records: list[dict] = []
+        compute = trainer.compute_gradients
+        t0 = time.perf_counter()
 
-    def probed(micro_batches):
-        terms = trainer.loss_fn(trainer._forward(micro_batches[0]))
-        records.append({"step": len(records) + 1, **step_record(terms, backbone, new, cfg.grad_clip)})
-        r = records[-1]
-        print(f"step {r['step']}: grad norms {r['grad_norm']}, cos with global {r.get('cos_with_global')}, "
-              f"global kept {r.get('global_kept')} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        return compute(micro_batches)
+        def probed(micro_batches):
+            terms = trainer.loss_fn(trainer._forward(micro_batches[0]))
+            records.append({"step": len(records) + 1, **step_record(terms, backbone, new, cfg.grad_clip)})
+            r = records[-1]
+            print(f"step {r['step']}: grad norms {r['grad_norm']}, cos with global {r.get('cos_with_global')}, "
+                  f"global kept {r.get('global_kept')} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            return compute(micro_batches)
 
-    trainer.compute_gradients = probed
-    trainer.fit()
+        trainer.compute_gradients = probed
+        trainer.fit()
     result = {"run": args.run, "kwargs": {**run, **extras}, "regime": settings, "steps": len(records),
               "summary": summarise(records), "records": records}
     print(json.dumps(result["summary"], indent=1), flush=True)

@@ -65,8 +65,9 @@ def _stage_helper(name: str) -> Path | None:
     return path if name.startswith("_") and path.is_file() else None
 
 
-def _imports(path: Path) -> set[Path]:
-    """The project files one file's import statements load."""
+def module_imports(path: Path) -> set[Path]:
+    """The project files one file's import statements name (module level and inside functions alike): each imported
+    module, or the submodule a `from pkg import name` names, without the packages above them."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1]) if path.name != "__init__.py" else \
         ".".join(path.relative_to(ROOT).parent.parts)
@@ -77,7 +78,7 @@ def _imports(path: Path) -> set[Path]:
                 if (helper := _stage_helper(alias.name)) is not None:
                     found.add(helper)
                 elif (f := _module_file(alias.name)) is not None:
-                    found |= _with_parents(f)
+                    found.add(f)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = package.split(".")
@@ -91,11 +92,16 @@ def _imports(path: Path) -> set[Path]:
             f = _module_file(module)
             if f is None:
                 continue
-            found |= _with_parents(f)
-            for alias in node.names:                    # `from pkg import submodule`
-                if (sub := _module_file(f"{module}.{alias.name}")) is not None:
-                    found |= _with_parents(sub)
+            subs = [_module_file(f"{module}.{alias.name}") for alias in node.names]   # `from pkg import submodule`
+            found |= {sub for sub in subs if sub is not None}
+            if not all(subs):                                                       # ... or a name defined in pkg
+                found.add(f)
     return found
+
+
+def _imports(path: Path) -> set[Path]:
+    """The project files one file's import statements load: each module with the `__init__.py` above it."""
+    return {p for f in module_imports(path) for p in _with_parents(f)}
 
 
 def closure(script: str | Path) -> list[str]:

@@ -13,23 +13,22 @@ Two tests, per configured evaluation set:
   hashes nothing. A re-encoded copy (other bytes) is not caught by content: ids are the only guard there.
   Not covered: ARO's VG images that are also COCO images (VG ids, no COCO id in ARO's files).
 
-Evaluation images are listed by `clipfinetune.eval.suite.read_set`, the evaluation's own reading of each set, so the
-check sees exactly the files a benchmark scores.
+Evaluation images are listed by `clipfinetune.data.benchmarks.sets.read_set`, the reader the evaluation scores each set
+through, so the check sees exactly the files a benchmark scores.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from clipfinetune.data.benchmarks.sets import read_set
 from clipfinetune.data.readers.coco import coco_id_of
+from clipfinetune.digests import DigestCache
+from clipfinetune.io import InputError
 
 IMAGES_NOT_FILES = ("wds",)   # readers whose images live inside archives (Record.data), not as files
 SHOWN = 5            # ids named in the error per overlapping set
-DIGEST_CACHE = Path("data/cache/leakage")   # the project's digest cache (stages shards and benchmarks, validate)
 
 
 @dataclass(frozen=True)
@@ -97,12 +96,9 @@ def training_images(sources: dict, splits=None, unchecked: list | None = None, r
 # ---------------------------------------------------------------- evaluation images
 def evaluation_sets(benchmarks: dict | None, unreadable: dict | None = None) -> dict[str, list[ImageRef]]:
     """{"<task>.<set>": images} for every configured set of `eval.benchmarks`, as its benchmark's reader lists the images
-    it scores (`clipfinetune.eval.suite.read_set`). A set whose files cannot be read
+    it scores (`clipfinetune.data.benchmarks.sets.read_set`). A set whose files cannot be read
     (e.g. a sample-world set the `sample` stage has not written yet: it cannot hold a real training image) is left
     out and its error put in `unreadable` when given, else raised."""
-    from clipfinetune.eval.suite import read_set
-    from clipfinetune.io import InputError
-
     out = {}
     for task, sets in (benchmarks or {}).items():
         for name, cfg in (sets or {}).items():
@@ -117,36 +113,7 @@ def evaluation_sets(benchmarks: dict | None, unreadable: dict | None = None) -> 
     return out
 
 
-# ---------------------------------------------------------------- content digests
-class DigestCache:
-    """BLAKE2b digests of files keyed by (path, size, mtime_ns) in one SQLite file (each insert commits, so a
-    killed check keeps what it hashed). `cache_dir=None` keeps them in memory only."""
-
-    def __init__(self, cache_dir=None):
-        if cache_dir is not None:
-            Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(":memory:" if cache_dir is None else str(Path(cache_dir) / "digests.sqlite"))
-        self.db.execute("CREATE TABLE IF NOT EXISTS digest (path TEXT PRIMARY KEY, size INT, mtime INT, hex TEXT)")
-        self.hashed = self.reused = 0
-
-    def digest(self, path: str, st: os.stat_result) -> str:
-        key = str(Path(path).resolve())
-        row = self.db.execute("SELECT size, mtime, hex FROM digest WHERE path = ?", (key,)).fetchone()
-        if row and row[0] == st.st_size and row[1] == st.st_mtime_ns:
-            self.reused += 1
-            return row[2]
-        with open(path, "rb") as f:
-            hexdigest = hashlib.file_digest(f, "blake2b").hexdigest()
-        with self.db:
-            self.db.execute("INSERT OR REPLACE INTO digest VALUES (?, ?, ?, ?)",
-                            (key, st.st_size, st.st_mtime_ns, hexdigest))
-        self.hashed += 1
-        return hexdigest
-
-    def close(self) -> None:
-        self.db.close()
-
-
+# ---------------------------------------------------------------- the comparison
 def _stats(refs: Iterable[ImageRef]) -> dict[str, os.stat_result]:
     out = {}
     for r in refs:

@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from clipfinetune.keys import lookup
+
 FILE_SUFFIXES = (".json", ".jsonl", ".jsonlines", ".parquet", ".pt", ".pth", ".safetensors", ".bin", ".txt", ".tsv")
 DIR_KEYS = ("images", "dir", "dci", "urban1k", "coco_order_images")
 # (param key, kind) of the single-path params; kind: file | dir | any
@@ -51,12 +53,7 @@ class Finding:
 
 
 def _get(params: dict, key: str):
-    node = params
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+    return lookup(params, key, None)
 
 
 def produced_paths(root: Path) -> list[str]:
@@ -112,7 +109,7 @@ def check_weights(key: str, name: str, pretrained: str, root: Path, produced: li
 
     from clipfinetune.models import loading
 
-    known = set(open_clip.list_models()) | set(getattr(loading, "BUNDLED_MODELS", ()))
+    known = set(open_clip.list_models())
     configs = Path(loading.__file__).parent / "configs"
     known |= {p.stem for p in configs.glob("*.json")}
     if name not in known:
@@ -265,6 +262,7 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
     import contextlib
 
     from clipfinetune import leakage
+    from clipfinetune.digests import DIGEST_CACHE
     from clipfinetune.io import InputError
 
     found, unchecked = [], []
@@ -284,7 +282,7 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
             if not any(_is_produced(str(v), produced) for _, v, _ in _benchmark_paths(task, name, cfg, "") if v):
                 found.append(Finding(f"eval.benchmarks.{where}", f"not compared with the training images: {error}",
                                      missing=False))   # its missing files are named above
-        overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=leakage.DIGEST_CACHE)
+        overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=DIGEST_CACHE)
     for o in overlaps:
         found.append(Finding(f"eval.benchmarks.{o.eval_set}", f"LEAKAGE {o}"))
     found.append(Finding("leakage", f"{cost['train_images']} training images compared with {cost['eval_images']} "

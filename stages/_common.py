@@ -24,6 +24,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from clipfinetune.keys import lookup
+
 
 class StageParams:
     def __init__(self, stage: str, values: dict):
@@ -31,11 +33,10 @@ class StageParams:
         self._declared = set(_flatten(values))
 
     def __getitem__(self, key: str):
-        node = self._values
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                raise KeyError(f"stage {self.stage}: param '{key}' is not declared for it in dvc.yaml")
-            node = node[part]
+        try:
+            node = lookup(self._values, key)
+        except KeyError:
+            raise KeyError(f"stage {self.stage}: param '{key}' is not declared for it in dvc.yaml") from None
         self._read.update(k for k in self._declared if k == key or k.startswith(key + "."))
         return node
 

@@ -1,5 +1,5 @@
 """Stage `benchmarks`: every file the configured evaluation sets read -> data/benchmarks.json
-({"<task>.<set>": {file: [size, BLAKE2b]}}, `clipfinetune.eval.suite.benchmark_manifest`).
+({"<task>.<set>": {file: [size, BLAKE2b]}}, `clipfinetune.data.benchmarks.sets.benchmark_manifest`).
 
 DVC cannot take a profile's benchmark files as deps (they are nested under `eval.benchmarks` and differ per profile),
 so this stage runs on every `dvc repro` (always_changed) and eval@<model> depends on its output, which changes only
@@ -14,9 +14,9 @@ import time
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import start
 
-from clipfinetune.eval.suite import benchmark_manifest
+from clipfinetune.data.benchmarks.sets import benchmark_manifest
+from clipfinetune.digests import DIGEST_CACHE
 from clipfinetune.io import write_json
-from clipfinetune.leakage import DIGEST_CACHE
 
 OUT = "data/benchmarks.json"
 

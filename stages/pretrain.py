@@ -4,12 +4,13 @@ models/base/.
 Global contrastive (the plain CLIP method) on every image of those sources with one of its captions drawn at
 random each epoch, read by the sources' readers (not the shards: they need LISM pairs, and LISM on the sample
 world uses this model). On the sample world the source is `pretrain`, the pretraining-only split.
-`pretrain.one_colour_share` of every batch holds images of one colour (`train.sources.CaptionPairSource`). Before
-the contrastive steps, `pretrain.label_warmup_steps` steps train the image tower to name the shapes and colours of
-each image (`train.label_warmup`, the LiT-style supervised start; 0 = off), and with `pretrain.label_warmup_regions`
-each object's from its RoIAligned dense feature; `pretrain.region_text_weight` adds the region-text term to the
-contrastive steps (`train.pretraining`, `losses/pretrain.py`: each object's dense feature against the batch's object
-names).
+`pretrain.one_colour_share` of every batch holds images of one colour (`sample.pretrain.sources.CaptionPairSource`).
+Before the contrastive steps, `pretrain.label_warmup_steps` steps train the image tower to name the shapes and colours
+of each image (`sample.pretrain.label_warmup`, the LiT-style supervised start, run by the same Trainer; 0 = off), and
+with `pretrain.label_warmup_regions` each object's from its RoIAligned dense feature; `pretrain.region_text_weight`
+adds the region-text term to the contrastive steps (`sample.pretrain.method`, `sample.pretrain.loss`: each object's
+dense feature against the batch's object names). The curves: dvclive/pretrain/ (contrastive) and
+dvclive/pretrain/label_warmup/.
 
 With real weights (`model.pretrained` set: an open_clip tag, a checkpoint file or an exported folder) nothing is
 trained: the given weights are exported unchanged into models/base/ (the open_clip local-dir layout), and
@@ -17,11 +18,12 @@ dvclive/pretrain/ holds only skipped.json, which records why (a from-scratch run
 weights themselves are not a DVC dependency (the param is): after changing a file or folder in place, run
 `dvc repro -f pretrain`.
 
-Resumable: checkpoints/pretrain/last.pt (gitignored, not a DVC out) carries a fingerprint of the declared params,
-the stage's inputs and code; a killed run re-run with the same fingerprint resumes, anything else starts over.
+Resumable: checkpoints/pretrain/label_warmup/last.pt and checkpoints/pretrain/last.pt (gitignored, not DVC outs) carry
+a fingerprint of the declared params, the stage's inputs and code; a killed run re-run with the same fingerprint
+resumes (a finished warm-up restores its weights and is not run again), anything else starts over.
 Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain` (or `compute.nproc`). `pretrain.batch_size`
-is the GLOBAL batch, as `train.batch_size`: each of the N ranks takes 1/N of it (an error if N does not divide it),
-so steps and schedule do not depend on N; the label warm-up (the same on every rank) takes the whole batch.
+is the GLOBAL batch, as `train.batch_size`, of both phases: each of the N ranks takes 1/N of it (an error if N does
+not divide it), so steps and schedule do not depend on N.
 """
 from __future__ import annotations
 
@@ -59,69 +61,54 @@ def main() -> None:
         params.check_all_read()
         return
 
+    import dataclasses
+
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
-    from clipfinetune.train import (
-        Monitor,
-        TrainConfig,
-        Trainer,
-        cleanup,
-        fingerprint,
-        init_distributed,
-        per_rank_batch_size,
-    )
-    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
-    from clipfinetune.train.config import resolve_precision
-    from clipfinetune.train.label_warmup import label_warmup
-    from clipfinetune.train.pretraining import PretrainMethod
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.label_warmup import label_warmup
+    from clipfinetune.sample.pretrain.method import PretrainMethod
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
+    from clipfinetune.train import fingerprint
+    from clipfinetune.train.session import training_session
 
-    dist = init_distributed(params["compute.device"])
-    try:
+    label_steps, region_text_weight = int(settings["label_warmup_steps"]), float(settings["region_text_weight"])
+    warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
+    checkpoints = ROOT / "checkpoints" / "pretrain"
+    with training_session({k: v for k, v in settings.items() if k not in OWN_KEYS}, precision,
+                          params["compute.device"], batch_param="pretrain.batch_size", log=log) as session:
+        dist, cfg = session.dist, session.cfg
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
-        group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
-        warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
-        region_text_weight = float(settings["region_text_weight"])
-        global_batch = int(settings["batch_size"])       # pretrain.batch_size: the global batch, as train's
-        rank_batch = per_rank_batch_size(global_batch, dist.world_size, "pretrain.batch_size")
-        cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in OWN_KEYS and k != "batch_size"},
-                          batch_size=rank_batch, precision=resolve_precision(precision, dist.device, log))
-        seed_everything(cfg.seed)                       # the same initial weights on every rank
         model = load_model(name, device=dist.device)
         records = [r for n, spec in sources.items() for r in read_source(n, spec)]
         source = CaptionPairSource(records, model.transform, model.tokenize, cfg.micro_batch_size, cfg.seed,
-                                   dist.rank, dist.world_size, group_key=GROUP_KEY, group_share=group_share,
+                                   dist.rank, dist.world_size, group_key=GROUP_KEY,
+                                   group_share=float(settings["one_colour_share"]),
                                    label_key=LABEL_KEY if label_steps or region_text_weight else "",
                                    region_key=REGION_KEY if warmup_regions or region_text_weight else "")
-        log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, global batch %d = %d rank(s) x %d "
-                 "per rank, %s on %s", name, len(source.image_ids), cfg.epochs, len(source), global_batch,
-                 dist.world_size, rank_batch, cfg.precision, dist.device)
+        log.info("pretraining %s from scratch on %d images: %d epochs x %d steps, %s on %s", name,
+                 len(source.image_ids), cfg.epochs, len(source), cfg.precision, dist.device)
         fp = fingerprint(params.stage, {"model": {"name": name, "pretrained": pretrained, "precision": precision},
                                         "pretrain": settings}, stage_inputs(params.stage), dist.world_size)
-        check_ranks_agree(fp, dist)
-        method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
-        trainer = Trainer(method, model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
-                          fingerprint=fp, dist=dist, desc="pretrain")
-        resumed = trainer.resume()
-        if label_steps and not resumed:                # a resumed run already holds the warmed-up weights
+        if label_steps:
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
-            label_warmup(model, source.images, source.labels, steps=label_steps,
-                         lr=float(settings["label_warmup_lr"]), batch_size=global_batch, warmup=cfg.warmup,
-                         wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
-                         regions=source.regions if warmup_regions else None, precision=cfg.precision)
-        with Monitor(live_dir, trainer.total_steps, trainer.step, resumed, dist.is_main, "pretrain") as monitor:
-            trainer.fit(monitor)
-        if dist.is_main:
-            export_model(model, out)
-            write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size,
-                                                  "global_batch": global_batch, "rank_batch": rank_batch})
-            log.info("exported %s", out)
-            if not settings["keep_checkpoint"]:
-                remove_checkpoints(ROOT / "checkpoints" / "pretrain")
+            lr = float(settings["label_warmup_lr"])
+            objective, batches = label_warmup(
+                source.images, source.labels, embed_dim=model.embed_dim, steps=label_steps,
+                batch_size=session.global_batch, lr=lr, seed=cfg.seed, normalize=source.normalize,
+                regions=source.regions if warmup_regions else None, rank=dist.rank, world_size=dist.world_size)
+            warmup_cfg = dataclasses.replace(cfg, epochs=1, lr=lr, grad_clip=0.0)    # the contrastive schedule's
+            warmup = session.trainer(objective, model, batches, cfg=warmup_cfg,        # warm-up and wd, no clip
+                                     checkpoint_dir=checkpoints / "label_warmup", fingerprint=fp,
+                                     desc="label warm-up")
+            objective.final_model(session.fit(warmup, live_dir / "label_warmup"), model)   # the text tower thawed
+        method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
+        trainer = session.trainer(method, model, source, checkpoint_dir=checkpoints, fingerprint=fp, desc="pretrain")
+        session.fit(trainer, live_dir)
+        session.export(model, out, live_dir=live_dir, note="device.json", checkpoint_dir=checkpoints,
+                       keep_checkpoint=settings["keep_checkpoint"])
+        log.info("exported %s", out)
         params.check_all_read()
-    finally:
-        cleanup()
 
 
 if __name__ == "__main__":

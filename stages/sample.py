@@ -7,7 +7,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import ROOT, start
 
 from clipfinetune.io import atomic_path
-from clipfinetune.sample import WorldConfig, generate_world
+from clipfinetune.sample.world import WorldConfig, generate_world
 
 OUT = ROOT / "data" / "sample"
 KEYS = ["seed", "image_size", "n_train", "n_val", "n_docci_train", "n_docci_test", "n_compositional",

@@ -18,6 +18,7 @@ from _common import source_specs, start
 from clipfinetune import leakage
 from clipfinetune.data.prepare.shards import build_shards
 from clipfinetune.data.readers import read_sources
+from clipfinetune.digests import DIGEST_CACHE
 
 OUT = Path("data/shards")
 PREPARED = Path("data/prepared")
@@ -31,7 +32,7 @@ def main() -> None:
     train = leakage.training_images(sources, params["shards.splits"], records=records)
     unreadable: dict = {}
     overlaps, cost = leakage.find_overlaps(train, leakage.evaluation_sets(params["eval.benchmarks"], unreadable),
-                                           leakage.DIGEST_CACHE)
+                                           DIGEST_CACHE)
     log.info("leakage check: %s; not compared (unreadable): %s", cost, unreadable or "none")
     leakage.refuse(overlaps)
     prepared_from = {"word_regions": params["word_regions.sources"], "negatives": params["negatives.sources"],

@@ -22,8 +22,6 @@ from __future__ import annotations
 import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import ROOT, stage_inputs, start
 
-LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
-
 
 def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]:
     """(training settings: shared train.* merged with train.<method>.*, the method's constructor kwargs)."""
@@ -54,72 +52,42 @@ def main() -> None:
     args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments)
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
-    from clipfinetune.io import write_json
     from clipfinetune.methods import get_method
-    from clipfinetune.models import export_model, load_model
-    from clipfinetune.train import (
-        Monitor,
-        TrainConfig,
-        Trainer,
-        cleanup,
-        fingerprint,
-        init_distributed,
-        per_rank_batch_size,
-    )
-    from clipfinetune.train.checkpoint import check_ranks_agree, remove_checkpoints, seed_everything
-    from clipfinetune.train.config import resolve_precision
+    from clipfinetune.models import load_model
+    from clipfinetune.train import fingerprint
+    from clipfinetune.train.session import training_session
 
     method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
     settings, config = run_settings(params, args.run, args.method, method_cls)
     precision = params["model.precision"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    dist = init_distributed(params["compute.device"])
-    try:
-        global_batch = int(settings["batch_size"])         # train.batch_size: the global batch (the papers')
-        rank_batch = per_rank_batch_size(global_batch, dist.world_size)
-        log.info("global batch %d = %d rank(s) x %d per rank, on %s", global_batch, dist.world_size, rank_batch,
-                 dist.device)
-        cfg = TrainConfig(**{**settings, "batch_size": rank_batch},
-                          precision=resolve_precision(precision, dist.device, log))
+    with training_session(settings, precision, params["compute.device"], log=log) as session:
+        cfg = session.cfg
         method = method_cls(**config)
-        seed_everything(cfg.seed)
-        model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=dist.device)
-        transform = model.train_transform() if cfg.train_transform == "random_resized_crop" else model.transform
-        ctx = ExampleContext(transform, model.tokenize, model.image_size, token_span=model.token_span,
-                             tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT),
-                             random_geometry=cfg.train_transform == "random_resized_crop")
+        model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=session.dist.device)
+        random_crop = cfg.train_transform == "random_resized_crop"
+        ctx = ExampleContext.of_model(model, model.train_transform() if random_crop else None, random_crop)
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
                              epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps,
-                             rank=dist.rank, world_size=dist.world_size)
+                             rank=session.dist.rank, world_size=session.dist.world_size)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
-                         stage_inputs(params.stage), dist.world_size)
-        check_ranks_agree(fp, dist)
-        live_dir = ROOT / "dvclive" / "train" / args.run
-        checkpoint_dir = ROOT / "checkpoints" / args.run
-        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir, fingerprint=fp, dist=dist,
-                          desc=params.stage)
-        resumed = trainer.resume()
-        with Monitor(live_dir, trainer.total_steps, trainer.step, resumed, dist.is_main, params.stage) as monitor:
-            module = trainer.fit(monitor)
-        if dist.is_main:
-            export_model(method.final_model(module, model), ROOT / "models" / args.run)
-            write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
-                                                "dropped_by_method": loader.dropped_by_method,
-                                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                                                "batches_per_epoch": loader.epoch_length(0),
-                                                "steps": trainer.total_steps, **dict(loader.stats),
-                                                "device": str(dist.device), "ranks": dist.world_size,
-                                                "global_batch": global_batch, "rank_batch": rank_batch})
-            log.info("exported models/%s", args.run)
-            if not params["train.keep_checkpoint"]:
-                remove_checkpoints(checkpoint_dir)
+                         stage_inputs(params.stage), session.dist.world_size)
+        live_dir, checkpoint_dir = ROOT / "dvclive" / "train" / args.run, ROOT / "checkpoints" / args.run
+        trainer = session.trainer(method, model, loader, checkpoint_dir=checkpoint_dir, fingerprint=fp,
+                                  desc=params.stage)
+        module = session.fit(trainer, live_dir)
+        session.export(method.final_model(module, model), ROOT / "models" / args.run, live_dir=live_dir,
+                       record={"samples": loader.num_samples, "wanted": loader.num_wanted,
+                               "dropped_by_method": loader.dropped_by_method,
+                               "epoch_unit": loader.epoch_unit, "units": loader.num_units,
+                               "batches_per_epoch": loader.epoch_length(0), "steps": trainer.total_steps,
+                               **dict(loader.stats)},
+                       checkpoint_dir=checkpoint_dir, keep_checkpoint=params["train.keep_checkpoint"])
+        log.info("exported models/%s", args.run)
         params.check_all_read()
-    finally:
-        cleanup()
-
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Eval stages depend on the benchmark files they read: `clipfinetune.eval.suite.benchmark_files` lists them by each
+"""Eval stages depend on the benchmark files they read: `clipfinetune.data.benchmarks.sets.benchmark_files` lists them by each
 benchmark's own reader, stage `benchmarks` writes their sizes and digests to data/benchmarks.json, and every
 eval@<model> depends on that file. Unit tests on the evaluation test world; the DVC run on the tiny sample world that edits a configured benchmark
 file in place and checks which stages re-run is tests/scale/test_benchmark_rerun.py (minutes).
@@ -14,7 +14,7 @@ from fixtures.eval import world
 from fixtures.eval.fakes import write_image
 
 from clipfinetune import leakage, profile
-from clipfinetune.eval.suite import benchmark_files, benchmark_manifest, read_set
+from clipfinetune.data.benchmarks.sets import benchmark_files, benchmark_manifest, read_set
 from clipfinetune.io import InputError
 
 ROOT = Path(__file__).resolve().parents[1]

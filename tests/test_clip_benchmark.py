@@ -18,8 +18,9 @@ import pytest
 from fixtures.methods import random_image, tiny_model
 from PIL import ImageDraw
 
+from clipfinetune.data.benchmarks.zeroshot import read_image_folder
 from clipfinetune.eval.encode import Encoder
-from clipfinetune.eval.zeroshot import evaluate_zeroshot, read_image_folder
+from clipfinetune.eval.zeroshot import evaluate_zeroshot
 from clipfinetune.models import export_model, load_model
 
 # `clip_benchmark eval`, with the one-line fix of LAION-AI/CLIP_benchmark#147 (open): its `accuracy` calls float()

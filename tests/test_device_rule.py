@@ -69,7 +69,9 @@ def test_ranks_param(cuda_present, monkeypatch):
 
 @pytest.mark.parametrize("stage_file", ["train.py", "pretrain.py"])
 def test_training_stages_pass_compute_device_to_the_rule(stage_file):
-    """pretrain and train hand `compute.device` to init_distributed and record the device they used."""
+    """pretrain and train hand `compute.device` to their training session, which hands it to init_distributed and
+    records the device used (tests/test_train_session.py)."""
     text = (ROOT / "stages" / stage_file).read_text()
-    assert 'init_distributed(params["compute.device"])' in text
-    assert '"device": str(dist.device)' in text
+    assert "training_session(" in text and 'params["compute.device"]' in text
+    session = (ROOT / "clipfinetune" / "train" / "session.py").read_text()
+    assert "init_distributed(device)" in session and '"device": str(self.dist.device)' in session

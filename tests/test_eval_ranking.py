@@ -1,23 +1,40 @@
-"""Rank metrics against hand-computed values: min-rank recall, the tie rule, top-k, mAcc, GOAL AP@k."""
+"""Rank metrics against hand-computed values through the evaluators' own path (an encoder whose embeddings give a
+chosen score table): min-rank recall, the tie rule, top-k, mAcc, GOAL AP@k."""
 import numpy as np
 import pytest
 import torch
 
+from clipfinetune.data.benchmarks.global_local import JointRecord
+from clipfinetune.data.benchmarks.retrieval import RetrievalSet
 from clipfinetune.eval.box_cls import box_metrics
-from clipfinetune.eval.global_local import JointRecord, map_at_k
-from clipfinetune.eval.ranking import average_precision_at_k, mean_per_class, recall_at_k, topk_hits
-from clipfinetune.eval.retrieval import retrieval_metrics
+from clipfinetune.eval.global_local import evaluate_global_local
+from clipfinetune.eval.ranking import average_precision_at_k, mean_per_class, negatives_ahead, topk_hits
+from clipfinetune.eval.retrieval import evaluate_retrieval
 from clipfinetune.eval.zeroshot import zeroshot_metrics
+
+
+class TableEncoder:
+    """The `Encoder` interface with fixed embeddings: image i is the i-th unit vector and text j the j-th column of
+    `scores` [images, texts], so the evaluator's image @ text similarities are exactly `scores`."""
+
+    def __init__(self, scores, images: list, texts: list[str]):
+        scores = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+        self.image_rows = {key: torch.eye(len(images))[i] for i, key in enumerate(images)}
+        self.text_rows = {text: scores[:, j] for j, text in enumerate(texts)}
+
+    def images(self, keys):
+        return torch.stack([self.image_rows[tuple(k) if isinstance(k, (tuple, list)) else k] for k in keys])
+
+    def texts(self, texts):
+        return torch.stack([self.text_rows[t] for t in texts])
 
 
 def test_i2t_uses_min_rank_over_ground_truth_captions():
     # captions 0,1 -> image 0; caption 2 -> image 1
     s = np.array([[0.1, 0.9, 0.5],
                   [0.8, 0.7, 0.6]], dtype=np.float32)
-    # drive retrieval_metrics through embeddings whose dot products are exactly s
-    img = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    txt = torch.tensor(s.T)                               # [3, 2]: text j = (s[0, j], s[1, j])
-    m = retrieval_metrics(img, txt, [0, 0, 1], ks=(1, 2, 5))
+    data = RetrievalSet(["i0", "i1"], ["c0", "c1", "c2"], [0, 0, 1])
+    m = evaluate_retrieval(TableEncoder(s, [("i0", None), ("i1", None)], data.captions), data, ks=(1, 2, 5))
     # image 0: best GT caption (0.9) is first -> hit@1; image 1: its caption 0.6 has 2 negatives above
     assert m["i2t_r1"] == pytest.approx(50.0)
     assert m["i2t_r2"] == pytest.approx(50.0)
@@ -30,17 +47,21 @@ def test_i2t_uses_min_rank_over_ground_truth_captions():
 def test_tied_negative_counts_against_the_query_and_order_does_not_matter():
     pos = np.array([[True, False, False]])
     s = np.array([[0.5, 0.5, 0.2]])
-    assert recall_at_k(s, pos, [1, 2]) == {1: 0.0, 2: 100.0}
-    assert recall_at_k(s[:, ::-1], pos[:, ::-1], [1, 2]) == {1: 0.0, 2: 100.0}
+    assert negatives_ahead(s, pos).tolist() == [1]                 # a miss at 1, a hit at 2
+    assert negatives_ahead(s[:, ::-1], pos[:, ::-1]).tolist() == [1]
     # ties among positives do not hurt
-    assert recall_at_k(np.array([[0.5, 0.5, 0.4]]), np.array([[True, True, False]]), [1]) == {1: 100.0}
-    # a constant model scores 0, not 100
-    assert recall_at_k(np.ones((3, 3)), np.eye(3, dtype=bool), [1]) == {1: 0.0}
+    assert negatives_ahead(np.array([[0.5, 0.5, 0.4]]), np.array([[True, True, False]])).tolist() == [0]
+    # a constant model scores 0, not 100: every query has its negatives ahead
+    assert negatives_ahead(np.ones((3, 3)), np.eye(3, dtype=bool)).tolist() == [2, 2, 2]
+    # ... through the evaluator: three images, one caption each, every similarity equal
+    data = RetrievalSet(["i0", "i1", "i2"], ["c0", "c1", "c2"], [0, 1, 2])
+    m = evaluate_retrieval(TableEncoder(np.ones((3, 3)), [(p, None) for p in data.images], data.captions), data)
+    assert m["i2t_r1"] == m["t2i_r1"] == 0.0 and m["i2t_r5"] == 100.0
 
 
 def test_query_without_positive_is_an_error():
     with pytest.raises(ValueError):
-        recall_at_k(np.zeros((1, 2)), np.zeros((1, 2), dtype=bool), [1])
+        negatives_ahead(np.zeros((1, 2)), np.zeros((1, 2), dtype=bool))
 
 
 def test_top1_overall_vs_mean_per_class():
@@ -90,11 +111,11 @@ def test_global_local_map_linked_vs_as_shipped():
                   [0.9, 0.8, 0.2, 0.7],
                   [0.3, 0.4, 0.5, 0.6],
                   [0.0, 0.5, 0.4, 0.3]])
-    linked = map_at_k(s, recs, "linked", 10)
-    shipped = map_at_k(s, recs, "as_shipped", 10)
+    m = evaluate_global_local(TableEncoder(s, [r.image for r in recs], [r.caption for r in recs]), recs)
     # I2T per query (hand ranking): linked 1, (1/2+2/3)/2, (1/2+2/4)/2, (1+2/3)/2; shipped 1, 1/2, 1/2, 1/3
-    assert linked["i2t"] == pytest.approx(100 * (1 + 7 / 12 + 0.5 + 5 / 6) / 4)
-    assert shipped["i2t"] == pytest.approx(100 * (1 + 0.5 + 0.5 + 1 / 3) / 4)
+    assert m["i2t_map10"] == pytest.approx(100 * (1 + 7 / 12 + 0.5 + 5 / 6) / 4)
+    assert m["i2t_map10_as_shipped"] == pytest.approx(100 * (1 + 0.5 + 0.5 + 1 / 3) / 4)
     # T2I: column g1 has a tie 0.9/0.9 between image G1 (relevant) and G2 -> G2 ranked first
-    assert linked["t2i"] == pytest.approx(100 * ((1 / 2 + 2 / 3) / 2 + 1 + 1 + 5 / 6) / 4)
-    assert shipped["t2i"] == pytest.approx(100 * (0.5 + 1 + 0.5 + 1 / 3) / 4)
+    assert m["t2i_map10"] == pytest.approx(100 * ((1 / 2 + 2 / 3) / 2 + 1 + 1 + 5 / 6) / 4)
+    assert m["t2i_map10_as_shipped"] == pytest.approx(100 * (0.5 + 1 + 0.5 + 1 / 3) / 4)
+    assert m["n_records"] == 4 and m["n_local"] == 2

@@ -8,7 +8,12 @@ from fixtures.eval import world
 from fixtures.eval.fakes import FakeModel, write_image
 from PIL import Image
 
-from clipfinetune.eval import aro_order, box_cls, long_retrieval, retrieval, suite, zeroshot
+from clipfinetune.data.benchmarks import box_cls as box_sets
+from clipfinetune.data.benchmarks import compositionality as comp_sets
+from clipfinetune.data.benchmarks import long_retrieval as long_sets
+from clipfinetune.data.benchmarks import retrieval as retrieval_sets
+from clipfinetune.data.benchmarks import zeroshot as zeroshot_sets
+from clipfinetune.eval import aro_order, box_cls, suite, zeroshot
 from clipfinetune.eval import compositionality as comp
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.io import InputError
@@ -19,7 +24,7 @@ def test_flickr_txt_keeps_commas_and_groups_by_first_appearance(tmp_path):
     write_image(tmp_path / "2000.jpg", 2)
     f = tmp_path / "flickr30k_test_karpathy.txt"
     f.write_text("image,caption\n2000.jpg,A dog.\n1000.jpg,Someone cycling, fast.\n2000.jpg,A dog, running.\n")
-    d = retrieval.read_flickr_txt(f, tmp_path)
+    d = retrieval_sets.read_flickr_txt(f, tmp_path)
     assert [p.split("/")[-1] for p in d.images] == ["2000.jpg", "1000.jpg"]
     assert d.captions == ["A dog.", "A dog, running.", "Someone cycling, fast."]
     assert d.caption_image == [0, 0, 1]
@@ -29,23 +34,23 @@ def test_flickr_token_and_blip_list(tmp_path):
     write_image(tmp_path / "flickr30k-images" / "1000.jpg", 1)
     tok = tmp_path / "results.token"
     tok.write_text("1000.jpg#0\tA man rides a bike .\n1000.jpg#1\tSomeone cycling .\n")
-    d = retrieval.read_flickr_token(tok, tmp_path / "flickr30k-images")
+    d = retrieval_sets.read_flickr_token(tok, tmp_path / "flickr30k-images")
     assert d.captions == ["A man rides a bike .", "Someone cycling ."] and d.caption_image == [0, 0]
     blip = tmp_path / "flickr30k_test.json"
     blip.write_text(json.dumps([{"image": "flickr30k-images/1000.jpg", "caption": ["a", "b", "c"]}]))
-    assert retrieval.read_blip_list(blip, tmp_path).caption_image == [0, 0, 0]
+    assert retrieval_sets.read_blip_list(blip, tmp_path).caption_image == [0, 0, 0]
 
 
 def test_karpathy_reads_only_the_test_split(tmp_path):
     cfg = world.build(tmp_path)["retrieval"]["sample"]
-    d = retrieval.load_retrieval_set(cfg)
+    d = retrieval_sets.load_retrieval_set(cfg)
     assert [p.split("/")[-1] for p in d.images] == ["1.png", "2.png", "3.png"]
     assert d.captions[:2] == ["A photo id1 of a thing.", "Another view id1 of it."]
 
 
 def test_docci_split_filter_excludes_train_and_qual_test(tmp_path):
     cfg = world.build(tmp_path)["long_retrieval"]["sample"]
-    d = long_retrieval.load_long_set(cfg)
+    d = long_sets.load_long_set(cfg)
     assert [p.split("/")[-1] for p in d.images] == ["test_00000.png", "test_00001.png"]
 
 
@@ -59,8 +64,8 @@ def test_dci_extra_caption_and_complete_description(tmp_path):
     (tmp_path / "complete" / "sa_1.json").write_text(json.dumps(rec))
     (tmp_path / "splits.json").write_text(json.dumps({"train": [], "valid": [], "test": ["sa_1.json"]}))
     write_image(tmp_path / "photos" / "sa_1.jpg", 1)
-    assert long_retrieval.read_dci(tmp_path).captions == ["It has a knob."]
-    full = long_retrieval.read_dci(tmp_path, field="complete").captions[0]
+    assert long_sets.read_dci(tmp_path).captions == ["It has a knob."]
+    full = long_sets.read_dci(tmp_path, field="complete").captions[0]
     assert full == ("A blue door.\nIt has a knob.\nThe following can also be seen in the image:\n"
                     "door: A blue wooden door.\nknob")
 
@@ -71,11 +76,11 @@ def test_urban1k_first_line_numeric_order_and_goal_placeholder_paths(tmp_path):
         write_image(u / "image" / f"{n}.jpg", n)
         (u / "caption" / f"{n}.txt").parent.mkdir(parents=True, exist_ok=True)
         (u / "caption" / f"{n}.txt").write_text(f"caption {n}\nsecond line\n")
-    d = long_retrieval.read_urban1k(u)
+    d = long_sets.read_urban1k(u)
     assert d.captions == ["caption 1", "caption 2", "caption 10"]
     goal = tmp_path / "urban_dataset_test.json"
     goal.write_text(json.dumps([{"filename": "chage/path/to/your/directoryUrban1k/image/2.jpg", "caption": "c2"}]))
-    g = long_retrieval.read_goal_list(goal, u / "image")
+    g = long_sets.read_goal_list(goal, u / "image")
     assert g.images == [str(u / "image" / "2.jpg")]
 
 
@@ -96,7 +101,7 @@ def test_panoptic_stuff_box_from_png_and_tiny_segment_skipped(tmp_path):
           "categories": [{"id": 1, "name": "person", "isthing": 1}, {"id": 18, "name": "dog", "isthing": 1},
                          {"id": 184, "name": "tree-merged", "isthing": 0}]}
     (tmp_path / "panoptic_val2017.json").write_text(json.dumps(pj))
-    d = box_cls.read_panoptic(tmp_path / "panoptic_val2017.json", tmp_path / "val2017")
+    d = box_sets.read_panoptic(tmp_path / "panoptic_val2017.json", tmp_path / "val2017")
     assert d.classnames == ["person", "dog", "tree-merged"]
     assert d.labels == [0, 2] and d.skipped["small_or_huge"] == 1
     assert d.images[0][1].tolist() == [[2, 2, 14, 22], [0, 24, 32, 32]]
@@ -122,7 +127,7 @@ def test_panoptic_keeps_crowd_segments_labels_by_sorted_ids_and_reads_100_segmen
           "categories": [{"id": 199, "name": "wall-other-merged", "isthing": 0}, {"id": 18, "name": "dog", "isthing": 1},
                          {"id": 1, "name": "person", "isthing": 1}]}
     (tmp_path / "panoptic_val2017.json").write_text(json.dumps(pj))
-    d = box_cls.load_box_set({"panoptic": str(tmp_path / "panoptic_val2017.json"), "images": str(tmp_path / "val2017"),
+    d = box_sets.load_box_set({"panoptic": str(tmp_path / "panoptic_val2017.json"), "images": str(tmp_path / "val2017"),
                               "panoptic_masks": str(tmp_path / "masks")})
     assert d.classnames == ["person", "dog", "wall-other-merged"]          # ids 1 < 18 < 199
     assert len(d.labels) == 100 and d.skipped["over_100_segments"] == 1      # the 101st (a thing) is not read
@@ -141,7 +146,7 @@ def test_lvis_image_folder_from_coco_url_and_frequency_buckets(tmp_path):
                          {"id": 2, "name": "air_conditioner", "frequency": "f"},
                          {"id": 3, "name": "applesauce", "frequency": "r"}]}
     (tmp_path / "lvis_v1_val.json").write_text(json.dumps(lv))
-    d = box_cls.read_lvis(tmp_path / "lvis_v1_val.json", tmp_path)
+    d = box_sets.read_lvis(tmp_path / "lvis_v1_val.json", tmp_path)
     assert d.classnames == ["aerosol can", "air conditioner", "applesauce"] and d.labels == [1, 2]
     m = box_cls.box_metrics(np.array([[0, 1.0, 0], [0, 1.0, 0]]), d.labels, d.frequency)
     assert (m["macc1_f"], m["macc1_r"], m["macc1_c"]) == (100.0, 0.0, None)
@@ -171,7 +176,7 @@ def test_vg_relation_macro_excludes_symmetric_and_vga_needs_25(tmp_path):
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
     (tmp_path / "visual_genome_attribution.json").write_text(json.dumps(vga))
     enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
-    m = comp.evaluate_vg(enc, comp.read_vg(tmp_path, tmp_path / "images"))
+    m = comp.evaluate_vg(enc, comp_sets.read_vg(tmp_path, tmp_path / "images"))
     # non-symmetric relations: "sitting on" 1/2, "riding" 1/1 -> macro 75 (micro 2/5 = 40)
     assert m["vg_relation"] == pytest.approx(75.0) and m["n_vg_relation_groups"] == 2
     assert m["vg_relation_micro"] == pytest.approx(40.0)
@@ -186,12 +191,12 @@ def test_vg_crops_the_image_to_the_box(tmp_path):
             "true_caption": "id41 yes", "false_caption": "id40 no"} for x in (0, 16)]
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
     enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
-    assert comp.evaluate_vg(enc, comp.read_vg(tmp_path, tmp_path / "images"))["vg_relation_micro"] == pytest.approx(50.0)
+    assert comp.evaluate_vg(enc, comp_sets.read_vg(tmp_path, tmp_path / "images"))["vg_relation_micro"] == pytest.approx(50.0)
 
 
 def test_valse_filter_drops_low_agreement_samples(tmp_path):
     cfg = world.build(tmp_path)["valse"]["sample"]
-    data = comp.read_valse(cfg["dir"], cfg["images"])
+    data = comp_sets.read_valse(cfg["dir"], cfg["images"])
     assert [r["caption"] for r in data["relations"]] == ["cup id51 on table"]
 
 
@@ -242,12 +247,12 @@ def test_winoground_released_examples_name_images_by_stem_in_images_folder(tmp_p
         {"id": ex, "image_0": f"ex_{ex}_img_0", "image_1": f"ex_{ex}_img_1",
          "caption_0": "an old person kisses a young person", "caption_1": "a young person kisses an old person",
          "tag": "Noun", "secondary_tag": "", "num_main_preds": 1, "collapsed_tag": "Object"}) + "\n" for ex in (0, 1)))
-    data = comp.read_winoground(tmp_path)
+    data = comp_sets.read_winoground(tmp_path)
     assert [r["images"] for r in data] == [[str(tmp_path / "images" / f"ex_{ex}_img_{k}.png") for k in (0, 1)]
                                           for ex in (0, 1)]
     (tmp_path / "images" / "ex_1_img_1.png").unlink()
     with pytest.raises(InputError, match="ex_1_img_1"):
-        comp.read_winoground(tmp_path)
+        comp_sets.read_winoground(tmp_path)
 
 
 def clip_benchmark_templates():
@@ -262,10 +267,10 @@ def test_zeroshot_multi_dataset_templates_take_the_named_dataset(tmp_path):
     zs = Path(cfg["dir"])
     (zs / "templates.txt").unlink()
     (zs / "templates.json").write_text(json.dumps(clip_benchmark_templates()))
-    assert zeroshot.read_image_folder(zs, templates_key="imagenet1k").templates == \
+    assert zeroshot_sets.read_image_folder(zs, templates_key="imagenet1k").templates == \
         clip_benchmark_templates()["imagenet1k"]
     with pytest.raises(InputError, match=r"templates\.json.*'sample'"):
-        zeroshot.read_image_folder(zs, templates_key="sample")
+        zeroshot_sets.read_image_folder(zs, templates_key="sample")
 
 
 def test_zeroshot_suite_keys_templates_by_set_name_or_templates_key(tmp_path, monkeypatch):
@@ -285,9 +290,9 @@ def test_zeroshot_suite_keys_templates_by_set_name_or_templates_key(tmp_path, mo
 
 def test_docci_splits_option_adds_qual_test_in_file_order(tmp_path):
     cfg = world.build(tmp_path)["long_retrieval"]["sample"]
-    d = long_retrieval.load_long_set(dict(cfg, splits=["test", "qual_test"]))
+    d = long_sets.load_long_set(dict(cfg, splits=["test", "qual_test"]))
     assert [p.split("/")[-1] for p in d.images] == ["test_00000.png", "test_00001.png", "qual_test_00000.png"]
-    assert len(long_retrieval.load_long_set(cfg).images) == 2          # default unchanged
+    assert len(long_sets.load_long_set(cfg).images) == 2          # default unchanged
 
 
 def test_goal_crops_sharing_a_file_name_resolve_by_relative_path_or_fail(tmp_path):
@@ -298,16 +303,16 @@ def test_goal_crops_sharing_a_file_name_resolve_by_relative_path_or_fail(tmp_pat
     goal = tmp_path / "docci_test.json"
     goal.write_text(json.dumps([{"filename": f"chage/path/to/{s}.jpg_results/original_image.jpg", "caption": s}
                                 for s in ("a", "b")]))
-    d = long_retrieval.read_goal_list(goal, root)
+    d = long_sets.read_goal_list(goal, root)
     assert d.images == [str(root / f"{s}.jpg_results" / "original_image.jpg") for s in ("a", "b")]
     flat = tmp_path / "flat"                             # only the file name can match: ambiguous
     write_image(flat / "original_image.jpg", 1)
     with pytest.raises(InputError, match=r"docci_test\.json.*ambiguous"):
-        long_retrieval.read_goal_list(goal, flat)
+        long_sets.read_goal_list(goal, flat)
 
 
 def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_matches(tmp_path):
-    from clipfinetune.eval import global_local
+    from clipfinetune.data.benchmarks import global_local
 
     images = tmp_path / "images"
     write_image(images / "a.jpg", 1)
@@ -337,6 +342,6 @@ def test_retrieval_from_a_coco_captions_file_keeps_every_image_with_its_captions
                    {"id": 139, "file_name": "000000000139.jpg", "width": 8, "height": 8}],
         "annotations": [{"id": 3, "image_id": 285, "caption": "a bear"}, {"id": 1, "image_id": 139, "caption": "a room"},
                         {"id": 2, "image_id": 285, "caption": "  a  brown bear "}]}))
-    data = retrieval.load_retrieval_set({"coco_captions": str(tmp_path / "captions_val2017.json"), "images": str(tmp_path)})
+    data = retrieval_sets.load_retrieval_set({"coco_captions": str(tmp_path / "captions_val2017.json"), "images": str(tmp_path)})
     assert [p.rsplit("/", 1)[-1] for p in data.images] == ["000000000139.jpg", "000000000285.jpg"]
     assert data.captions == ["a room", "a bear", "a brown bear"] and data.caption_image == [0, 1, 1]

@@ -1,4 +1,5 @@
-"""The image tower's label warm-up before contrastive pretraining (`clipfinetune.train.label_warmup`)."""
+"""The image tower's label warm-up before contrastive pretraining (`clipfinetune.sample.pretrain.label_warmup`), run
+by the one Trainer: the loss curve is what the Trainer hands its monitor."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,26 @@ import pytest
 import torch
 
 from clipfinetune.models import load_model
-from clipfinetune.train.label_warmup import label_warmup
+from clipfinetune.sample.pretrain.label_warmup import label_warmup as objective
+from clipfinetune.train import NonFiniteLossError, TrainConfig, Trainer
+
+
+class Curve(list):
+    """A monitor that keeps every step's total loss."""
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.append(scalars["loss"])
+
+
+def label_warmup(model, images, labels, *, steps, lr, batch_size, warmup=0, wd=0.0, seed=0, regions=None,
+                 precision="fp32") -> list[float]:
+    """The stage's warm-up on one rank: the objective and its batches through the Trainer; its loss curve."""
+    method, batches = objective(images, labels, embed_dim=model.embed_dim, steps=steps, batch_size=batch_size, lr=lr,
+                                seed=seed, regions=regions)
+    cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=lr, warmup=warmup, wd=wd, seed=seed, precision=precision)
+    curve = Curve()
+    method.final_model(Trainer(method, model, batches, cfg).fit(curve), model)
+    return curve
 
 
 def _data(n=32):
@@ -40,6 +60,7 @@ def test_label_warmup_learns_the_labels_and_trains_only_the_image_tower():
     for name, param in model.clip.named_parameters():
         if not name.startswith("visual."):
             assert torch.equal(param, text_before[name]), name
+    assert all(p.requires_grad for p in model.parameters())      # frozen for the warm-up, trainable again after
 
 
 def test_label_warmup_is_a_function_of_its_seed():
@@ -56,9 +77,9 @@ def test_label_warmup_draws_only_labelled_images_and_needs_one():
     labels[1:] = 0.0
     images[1:] = float("nan")                 # an unlabelled image in a batch would make the loss NaN
     curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=4)
-    assert not any(math.isnan(v) for v in curve)
+    assert len(curve) == 2 and not any(math.isnan(v) for v in curve)
     with pytest.raises(ValueError, match="label"):
-        label_warmup(model, images, torch.zeros_like(labels), steps=1, lr=1e-3, batch_size=4)
+        objective(images, torch.zeros_like(labels), embed_dim=8, steps=1, batch_size=4, lr=1e-3)
 
 
 def _two_object_data(n=48):
@@ -114,14 +135,15 @@ def test_label_warmup_with_regions_draws_unlabelled_images_too():
     labels[0, 0] = 1.0                                        # one labelled image; the region term uses all six
     images[1:] = float("nan")                                 # a drawn unlabelled image makes the loss NaN
     model = load_model("cft-tiny-vit")
-    assert not any(math.isnan(v) for v in label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=6))
-    curve = label_warmup(load_model("cft-tiny-vit"), images, labels, steps=1, lr=1e-3, batch_size=6, regions=regions)
-    assert math.isnan(curve[0])
+    curve = label_warmup(model, images, labels, steps=2, lr=1e-3, batch_size=6)
+    assert len(curve) == 2 and not any(math.isnan(v) for v in curve)
+    with pytest.raises(NonFiniteLossError, match="region_labels"):      # the Trainer's guard names the term
+        label_warmup(load_model("cft-tiny-vit"), images, labels, steps=1, lr=1e-3, batch_size=6, regions=regions)
     with pytest.raises(ValueError, match="region"):
-        label_warmup(model, images, labels, steps=1, lr=1e-3, batch_size=6, regions=regions[:2])
+        objective(images, labels, embed_dim=8, steps=1, batch_size=6, lr=1e-3, regions=regions[:2])
 
 
-def test_label_warmup_in_bf16_runs_the_forward_under_autocast_and_still_learns():
+def test_label_warmup_in_bf16_runs_the_forward_under_autocast_and_still_learns(tmp_path):
     seen = []
     torch.manual_seed(0)
     model = load_model("cft-tiny-vit")
@@ -136,3 +158,18 @@ def test_label_warmup_in_bf16_runs_the_forward_under_autocast_and_still_learns()
     assert seen == [(True, torch.bfloat16)] * 30
     assert all(p.dtype == torch.float32 for p in model.clip.visual.parameters())     # autocast, not a cast model
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 0.2
+
+
+def test_label_batches_resume_at_any_step_and_split_each_global_batch_over_the_ranks():
+    images, labels, regions = _two_object_data(12)
+    whole = objective(images, labels, embed_dim=8, steps=5, batch_size=8, lr=1e-3, seed=3, regions=regions)[1]
+    ranks = [objective(images, labels, embed_dim=8, steps=5, batch_size=8, lr=1e-3, seed=3, regions=regions, rank=r,
+                       world_size=2)[1] for r in (0, 1)]
+    full = list(whole.batches(0))
+    assert len(whole) == len(full) == 5
+    for got, want in zip(whole.batches(0, start=3), full[3:]):          # a resumed epoch: the same draws
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    for step, (a, b) in enumerate(zip(*(r.batches(0) for r in ranks))):
+        assert torch.equal(torch.cat([a["image"], b["image"]]), full[step]["image"])
+        assert torch.equal(torch.cat([a["region_labels"], b["region_labels"]]), full[step]["region_labels"])
+        assert a["region_boxes"][:, 0].max() < 4 and b["region_boxes"][:, 0].max() < 4    # rows of its own slice

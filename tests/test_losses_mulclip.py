@@ -187,7 +187,7 @@ def test_at_most_max_subcaptions():
     assert loss.stats["n_subcaptions_dropped"] == int(f["sub_valid"][:, 2:].sum())
 
 
-def test_gradients_are_finite_and_modules_are_the_new_parameters():
+def test_gradients_are_finite_and_reach_every_new_parameter():
     loss = MulClipLoss(embed_dim=D, n_patches=P, context_length=L)
     head = loss.heads["global"]
     assert head.logit_scale.item() == pytest.approx(math.log(10)) and head.logit_bias.item() == -10.0
@@ -197,8 +197,6 @@ def test_gradients_are_finite_and_modules_are_the_new_parameters():
     sum(out.values()).backward()
     for key in ("image", "text", "text_short", "patches", "text_tokens", "sub_text"):
         assert torch.isfinite(f[key].grad).all(), key
-    new = {id(p) for p in loss.new_modules().parameters()}
-    assert new == {id(p) for p in loss.parameters()}
     for name, p in loss.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
 

@@ -116,7 +116,6 @@ def test_goal_and_mulclip_mix_trains_the_temperature_and_leaves_no_parameter_wit
     model = copy.deepcopy(tiny)
     module, loss = custom.build(model), custom.loss()
     ctx = example_context(model)
-    ctx._tokenize_long = lambda texts: model.tokenize(texts, context_length=248)
     batch = collate_examples(custom, [docci_record(i) for i in range(4)], ctx)
     out = loss(module(batch))
     assert set(out) == {"goal.contrastive", "goal.local_contrastive", "mulclip.word_patch"}

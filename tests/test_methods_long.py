@@ -50,9 +50,7 @@ def image(seed=0):
 
 def context(model):
     """The real ExampleContext, built from the model as the train stage does (248-token long tokenizer)."""
-    return ExampleContext(model.transform, model.tokenize, model.image_size,
-                          tokenize_long=lambda texts: model.tokenize(texts, context_length=248),
-                          token_span=model.token_span)
+    return ExampleContext.of_model(model)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from clipfinetune.keys import lookup
 from clipfinetune.methods import get_method
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,12 +42,7 @@ WHOLE_GROUP_OK = {("shards", "sources"), ("report", "runs")}
 
 
 def _lookup(key: str):
-    node = PARAMS
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise KeyError(key)
-        node = node[part]
-    return node
+    return lookup(PARAMS, key)
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,6 @@ def train_one_step(base, run):
     method = FixedNegatives(rule_negatives).on(get_method(name)(**config))
     trainer = Trainer(method, model, OneBatch(), TrainConfig(epochs=1, batch_size=2, lr=1e-4))
     ctx = example_context(model)                                # built after `build`, as the train stage's loader
-    ctx._tokenize_long = lambda texts: model.tokenize(texts, context_length=248)
     rng = random.Random(0)
     batch = default_collate([method.make_example(record(i), random_image(i, W, H), rng, ctx) for i in range(2)])
     before = [p.detach().clone() for p in trainer.params]

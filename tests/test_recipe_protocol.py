@@ -13,7 +13,7 @@ import pytest
 from fixtures import real_tree
 
 from clipfinetune import profile
-from clipfinetune.eval.suite import read_set
+from clipfinetune.data.benchmarks.sets import read_set
 from clipfinetune.train import TrainConfig, merge_train_settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -129,7 +129,7 @@ def test_a_profile_replaces_runs_whole_and_merges_every_other_group(tmp_path):
 
 def _metric_names(task: str) -> set[str]:
     """The leaf names the evaluators write for a task (clipfinetune/eval/suite.py's output keys)."""
-    from clipfinetune.eval.compositionality import SUGARCREPE_TASKS
+    from clipfinetune.data.benchmarks.compositionality import SUGARCREPE_TASKS
     from clipfinetune.eval.long_retrieval import LONG_KS
 
     both = lambda ks, fmt: {fmt.format(d, k) for d in ("i2t", "t2i") for k in ks}

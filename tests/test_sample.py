@@ -10,7 +10,7 @@ import pytest
 import yaml
 from PIL import Image
 from pycocotools.coco import COCO
-from test_sample_truth import COLOURS, SHAPES, TINY, colour_name, scenes, tiny_world
+from test_sample_truth import COLOURS, SHAPES, SMALL_WORLD, colour_name, scenes, tiny_world
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,10 @@ def test_layout_of_developers_md_and_params_paths_exist():
 
 def test_meta_counts_and_seed():
     meta = json.loads((tiny_world() / "meta.json").read_text())
-    assert meta["seed"] == TINY["seed"] and meta["config"] == TINY
+    assert meta["seed"] == SMALL_WORLD["seed"] and meta["config"] == SMALL_WORLD
     c = meta["counts"]
-    assert c["train_images"] == TINY["n_train"] and c["val_images"] == TINY["n_val"]
-    assert len(list((tiny_world() / "images/train").glob("*.jpg"))) == TINY["n_train"]
+    assert c["train_images"] == SMALL_WORLD["n_train"] and c["val_images"] == SMALL_WORLD["n_val"]
+    assert len(list((tiny_world() / "images/train").glob("*.jpg"))) == SMALL_WORLD["n_train"]
     assert set(meta["colours"]) == set(COLOURS) and set(meta["shapes"]) == set(SHAPES)
 
 
@@ -155,7 +155,7 @@ def test_zeroshot_imagefolders(task):
     assert len(templates) >= 3 and all("{}" in t for t in templates)
     for folder, name in zip(folders, names):
         files = sorted((root / "test" / folder).glob("*.jpg"))
-        assert len(files) == TINY["n_zeroshot_per_class"]
+        assert len(files) == SMALL_WORLD["n_zeroshot_per_class"]
         for f in files:
             (o,) = recs[str(f.relative_to(tiny_world()))]["objects"]
             assert o["shape"] == name.split()[-1] and (task == "shape" or o["colour"] == name.split()[0])
@@ -189,7 +189,7 @@ def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
     (with or without colours) name all of it; shapes-only captions exist (colour alone cannot match them)."""
     root = tiny_world()
     coco = json.loads((root / "annotations/captions_pretrain.json").read_text())
-    assert len(coco["images"]) == TINY["n_pretrain"] and not (root / "annotations/instances_pretrain.json").exists()
+    assert len(coco["images"]) == SMALL_WORLD["n_pretrain"] and not (root / "annotations/instances_pretrain.json").exists()
     recs = scenes(root)
     captions: dict = {}
     for a in coco["annotations"]:
@@ -208,7 +208,7 @@ def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
             named_colours = {c for c in COLOURS if c in words}
             assert named_shapes <= {o["shape"] for o in objects} and named_colours <= {o["colour"] for o in objects}
             shapes_only += not named_colours and named_shapes == {o["shape"] for o in objects}
-    assert shapes_only >= 0.1 * 5 * TINY["n_pretrain"]
+    assert shapes_only >= 0.1 * 5 * SMALL_WORLD["n_pretrain"]
 
 
 def test_pretraining_close_ups_hold_one_large_object_inside_the_image():
@@ -224,7 +224,7 @@ def test_pretraining_close_ups_hold_one_large_object_inside_the_image():
 
 
 def test_same_seed_byte_identical_and_other_seed_differs(tmp_path):
-    from clipfinetune.sample import WorldConfig, generate_world
+    from clipfinetune.sample.world import WorldConfig, generate_world
 
     small = {"image_size": 64, "n_train": 6, "n_val": 6, "n_docci_train": 4, "n_docci_test": 4,
              "n_compositional": 6, "n_zeroshot_per_class": 1, "n_pretrain": 4}
@@ -241,7 +241,7 @@ def test_stage_reads_exactly_the_declared_sample_params():
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
     declared = {p[len("sample."):] for p in dvc["stages"]["sample"]["params"]}
     params = yaml.safe_load((REPO / "params.yaml").read_text())["sample"]
-    from clipfinetune.sample import WorldConfig
+    from clipfinetune.sample.world import WorldConfig
 
     assert declared == set(params) == set(WorldConfig.__dataclass_fields__)
 

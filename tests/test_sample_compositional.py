@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 from pycocotools.coco import COCO
-from test_sample_truth import RELATION, TINY, caption_is_true, parse, scenes, shape_words, tiny_world
+from test_sample_truth import RELATION, SMALL_WORLD, caption_is_true, parse, scenes, shape_words, tiny_world
 
 KINDS = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
 SYMMETRIC = {"near", "next to", "beside", "by", "with", "on the side of", "around", "of", "and"}
@@ -65,7 +65,7 @@ def _sentences(text):
 
 def test_docci_records_and_images():
     root, lines, _ = _docci()
-    assert Counter(d["split"] for d in lines) == {"train": TINY["n_docci_train"], "test": TINY["n_docci_test"]}
+    assert Counter(d["split"] for d in lines) == {"train": SMALL_WORLD["n_docci_train"], "test": SMALL_WORLD["n_docci_test"]}
     for d in lines:
         assert set(d) == {"example_id", "split", "image_file", "description"}
         assert d["example_id"].startswith(d["split"]) and d["image_file"] == d["example_id"] + ".jpg"
@@ -119,7 +119,7 @@ def test_sugarcrepe_negatives_are_false_for_their_image(kind):
     root = tiny_world()
     recs = scenes(root)
     cases = json.loads((root / f"sugarcrepe/{kind}.json").read_text())
-    assert len(cases) == TINY["n_compositional"] and all(k.isdigit() for k in cases)
+    assert len(cases) == SMALL_WORLD["n_compositional"] and all(k.isdigit() for k in cases)
     for case in cases.values():
         assert set(case) == {"filename", "caption", "negative_caption"}
         assert (root / "images/val" / case["filename"]).exists()
@@ -135,7 +135,7 @@ def test_aro_relation_cases():
     root = tiny_world()
     recs = scenes(root)
     cases = json.loads((root / "aro/visual_genome_relation.json").read_text())
-    assert len(cases) == TINY["n_compositional"]
+    assert len(cases) == SMALL_WORLD["n_compositional"]
     assert len({c["relation_name"] for c in cases}) >= 4
     for c in cases:
         assert {"image_path", "bbox_x", "bbox_y", "bbox_w", "bbox_h", "relation_name", "true_caption",
@@ -150,7 +150,7 @@ def test_aro_attribution_cases_have_25_per_pair():
     root = tiny_world()
     recs = scenes(root)
     cases = json.loads((root / "aro/visual_genome_attribution.json").read_text())
-    assert len(cases) == TINY["n_compositional"]
+    assert len(cases) == SMALL_WORLD["n_compositional"]
     pairs = Counter(f"{c['attributes'][0]}_{c['attributes'][1]}" for c in cases)
     assert min(pairs.values()) >= 25
     for c in cases:

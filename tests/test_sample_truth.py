@@ -89,19 +89,21 @@ def colour_name(rgb) -> str:
     return next(name for upper, name in HUES if h * 360 < upper)
 
 
-# ---------------------------------------------------------------- the tiny world shared by the tests
+# ---------------------------------------------------------------- the small world the sample tests share
+# (a generator config: enough scenes for the world's statistics; the pipeline tests' params profile is
+# tests/fixtures/project.py TINY)
 
-TINY = {"seed": 0, "image_size": 64, "n_train": 40, "n_val": 30, "n_docci_train": 40, "n_docci_test": 30,
-        "n_compositional": 50, "n_zeroshot_per_class": 2, "n_pretrain": 40}
+SMALL_WORLD = {"seed": 0, "image_size": 64, "n_train": 40, "n_val": 30, "n_docci_train": 40, "n_docci_test": 30,
+               "n_compositional": 50, "n_zeroshot_per_class": 2, "n_pretrain": 40}
 
 
 @functools.cache
 def world(**overrides) -> Path:
-    from clipfinetune.sample import WorldConfig, generate_world
+    from clipfinetune.sample.world import WorldConfig, generate_world
 
     root = Path(tempfile.mkdtemp(prefix="cft-sample-"))
     atexit.register(shutil.rmtree, root, True)
-    generate_world(root / "sample", WorldConfig(**{**TINY, **overrides}))
+    generate_world(root / "sample", WorldConfig(**{**SMALL_WORLD, **overrides}))
     return root / "sample"
 
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from clipfinetune.data.readers import READERS, reader, source_paths
+from clipfinetune.keys import lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -23,10 +24,7 @@ UNREAD = {"word_regions@coco": {"images"}, "negatives@coco": {"images", "instanc
 
 
 def _value(key: str):
-    node = PARAMS
-    for part in key.split("."):
-        node = node[part]
-    return node
+    return lookup(PARAMS, key)
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,17 @@ def test_a_module_a_stage_does_not_import_is_not_its_dep():
     assert "clipfinetune/models/lora.py" not in bodies["word_regions"]["deps"] + bodies["sentences"]["deps"]
 
 
+@pytest.mark.parametrize("stage", ["shards", "benchmarks"])
+def test_the_stages_that_only_read_evaluation_sets_load_neither_the_evaluation_nor_the_model(stage):
+    """`shards` (the leakage check) and `benchmarks` (the benchmark files) read the sets through
+    clipfinetune/data/benchmarks/, below the evaluation: editing eval/ or models/ (e.g. models/lora.py) re-runs
+    neither, in dvc.yaml and in the closure it is generated from."""
+    body = DVC["stages"][stage]
+    for files in (body["deps"], deps.closure(deps.stage_script(body))):
+        assert "clipfinetune/data/benchmarks/sets.py" in files
+        assert not [f for f in files if f.startswith(("clipfinetune/eval/", "clipfinetune/models/"))], stage
+
+
 def test_an_edited_loss_changes_the_code_digest_of_its_method_and_the_mix_only(tmp_path, monkeypatch):
     """stage method_code's digests (data/code/<method>.json, train@<run>'s code dep) on a copy of the package:
     appending to DeGLA's loss file changes DeGLA's and the mix's, no other method's."""
@@ -74,3 +85,11 @@ def test_an_edited_loss_changes_the_code_digest_of_its_method_and_the_mix_only(t
     after = digests()
     assert {m for m in before if before[m] != after[m]} == {"degla", MIX}
     sys.modules.pop("method_code", None)
+
+
+def test_mulclip_and_goal_share_the_long_text_helper_from_models_not_each_others_code():
+    """Long-CLIP stretching lives in models/long_text.py: editing GOAL's loss or method re-trains no MulCLIP run
+    (and the other way round); both runs still follow an edit of the shared helper."""
+    mulclip, goal = set(deps.method_closure("mulclip")), set(deps.method_closure("goal"))
+    assert not [f for f in mulclip if "goal" in f] and not [f for f in goal if "mulclip" in f]
+    assert "clipfinetune/models/long_text.py" in mulclip & goal

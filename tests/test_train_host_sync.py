@@ -137,8 +137,7 @@ def fit_and_watch(tiny, run: str, log_every: int = LOG_EVERY) -> list[tuple[str,
     model = copy.deepcopy(tiny)
     method = FixedNegatives(negatives).on(get_method(name)(**kwargs))
     cfg = TrainConfig(epochs=STEPS // 2, batch_size=4, lr=1e-4, grad_clip=1.0, log_every=log_every)
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda texts: model.tokenize(texts, context_length=248))
+    ctx = ExampleContext.of_model(model)
     rng = random.Random(0)
     micro = []
     for b in range(2):                                          # two steps an epoch

@@ -106,7 +106,7 @@ def _tokenize(texts):          # "image I caption C" -> [I, C]
 
 
 def test_caption_source_shows_each_image_once_per_epoch_with_a_caption_redrawn_each_epoch(tmp_path):
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
 
     records = _tiny_coco(tmp_path)
     source = CaptionPairSource(records, _transform, _tokenize, batch_size=2, seed=3)
@@ -122,7 +122,7 @@ def test_caption_source_shows_each_image_once_per_epoch_with_a_caption_redrawn_e
 
 
 def test_caption_source_splits_each_global_batch_between_ranks(tmp_path):
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
 
     records = _tiny_coco(tmp_path)
     ranks = [CaptionPairSource(records, _transform, _tokenize, batch_size=1, seed=3, rank=r, world_size=2)
@@ -156,7 +156,7 @@ def _records(captions, images):
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_caption_source_opens_every_batch_with_its_share_of_one_colour(tmp_path, share):
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
 
     captions, images, colour_of = _coloured_coco(tmp_path)
     source = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1,
@@ -180,7 +180,7 @@ def test_caption_source_opens_every_batch_with_its_share_of_one_colour(tmp_path,
 
 
 def test_caption_source_without_a_share_is_the_plain_shuffle_and_labels_are_multi_hot(tmp_path):
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
 
     captions, images, _ = _coloured_coco(tmp_path)
     plain = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1)
@@ -196,7 +196,7 @@ def test_caption_source_without_a_share_is_the_plain_shuffle_and_labels_are_mult
 
 def test_caption_source_names_the_image_without_a_group(tmp_path):
     from clipfinetune.io import InputError
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
 
     captions, images, _ = _coloured_coco(tmp_path)
     coco = json.loads(captions.read_text())
@@ -215,7 +215,7 @@ def test_caption_source_maps_region_boxes_to_model_input_and_serves_them_with_ea
     from torchvision import transforms as T
 
     from clipfinetune.io import InputError
-    from clipfinetune.train.sources import CaptionPairSource
+    from clipfinetune.sample.pretrain.sources import CaptionPairSource
 
     captions, images, _ = _coloured_coco(tmp_path)
     coco = json.loads(captions.read_text())
@@ -256,7 +256,7 @@ def test_caption_source_maps_region_boxes_to_model_input_and_serves_them_with_ea
 
 def test_pretrain_features_embed_each_object_name_once_and_pool_each_box():
     from clipfinetune.models import load_model
-    from clipfinetune.train.pretraining import PretrainMethod
+    from clipfinetune.sample.pretrain.method import PretrainMethod
 
     torch.manual_seed(0)
     model = load_model("cft-tiny-vit")

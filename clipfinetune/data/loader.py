@@ -94,6 +94,17 @@ class ExampleContext:
         self._tokenize_long, self._token_span = tokenize_long, token_span
         self.random_geometry = random_geometry      # `transform` crops at random: no box can follow its pixels
 
+    @classmethod
+    def of_model(cls, model, transform: Callable | None = None, random_geometry: bool = False) -> ExampleContext:
+        """The context of a `ClipModel`, the one way to build it: its transform (or `transform`, e.g.
+        `model.train_transform()` with `random_geometry`), tokenizer, input size and token spans, and the long-text
+        tokenizer at Long-CLIP's context (`models.LONG_CONTEXT`, GOAL's and MulCLIP's)."""
+        from clipfinetune.models import LONG_CONTEXT
+
+        return cls(transform or model.transform, model.tokenize, model.image_size, token_span=model.token_span,
+                   tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT),
+                   random_geometry=random_geometry)
+
     def tokenize_long(self, texts):
         if self._tokenize_long is None:
             raise RuntimeError("this ExampleContext has no long-text tokenizer (pass tokenize_long=)")

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from clipfinetune.data.benchmarks.retrieval import RetrievalSet
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
-from clipfinetune.eval.retrieval import RetrievalSet
 
 NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
 ADJ_TAGS = {"JJ", "JJR", "JJS"}

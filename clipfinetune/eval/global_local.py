@@ -1,11 +1,7 @@
 """GOAL's global-local mAP@10 (`mAP_goal_jointtest.py`, BENCHMARKS §7) in two modes.
 
-Test list (BENCHMARKS §7.1, written by the `lism` stage): global records `{filename, caption}` and local
-records `{filename: ".../<stem>.jpg_results/<crop>.png", caption: <sentence>, similarity_score}`.
-A record is local when its parent folder ends in `_results` (or it says `"kind": "local"`).
-Group id: a global's file stem; a local's parent folder minus `_results` and the extension.
-A local crop file that is absent may be given as a box on its global image instead
-(`box` xyxy or GOAL's `bbox_coordinates` {x1, y1, x2, y2}, original pixels).
+Test list (BENCHMARKS §7.1, written by the `lism` stage, read by `clipfinetune.data.benchmarks.global_local`):
+global and local records, grouped by image.
 
 * mode "linked" (the intended protocol; reported as the headline): I2T - a global query's relevant
   captions are its own and its locals'; a local query's are its own and its global's. T2I (one query
@@ -18,90 +14,14 @@ ties rank negatives first (`ranking.py`). Reported x100.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from clipfinetune.eval.encode import AmbiguousImageName, Encoder, ImageResolver
+from clipfinetune.data.benchmarks.global_local import JointRecord
+from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import average_precision_at_k
-from clipfinetune.io import InputError
-
-
-@dataclass
-class JointRecord:
-    image: tuple          # (path, crop box or None)
-    caption: str
-    group: str
-    is_local: bool
-
-
-def _is_local(rec: dict) -> bool:
-    if "kind" in rec:
-        return rec["kind"] == "local"
-    return Path(rec["filename"]).parent.name.endswith("_results")
-
-
-def group_id(rec: dict) -> str:
-    p = Path(rec["filename"])
-    if _is_local(rec):
-        name = p.parent.name
-        name = name.removesuffix("_results")
-        return rec.get("group") or Path(name).stem
-    return rec.get("group") or p.stem
-
-
-def _local_box(rec: dict):
-    if rec.get("box") is not None:
-        return [float(v) for v in rec["box"]]
-    b = rec.get("bbox_coordinates")
-    if b:
-        return [float(b["x1"]), float(b["y1"]), float(b["x2"]), float(b["y2"])]
-    return None
-
-
-def _resolve_first(resolve: ImageResolver, name: str, roots, record) -> str | None:
-    for root in roots:
-        try:
-            return resolve(name, root, record)
-        except AmbiguousImageName:
-            raise
-        except InputError:
-            pass
-    return None
-
-
-def read_joint_list(path, images_root) -> list[JointRecord]:
-    """Paths resolve against the list's folder first (the `lism` stage writes them relative to it), then
-    `images_root` (also by basename, for GOAL's shipped placeholder prefixes)."""
-    raw = json.loads(Path(path).read_text())
-    base = Path(path).parent
-    resolve = ImageResolver(path)
-    globals_: dict[str, str] = {}
-    for i, rec in enumerate(raw):
-        if not _is_local(rec):
-            found = _resolve_first(resolve, rec["filename"], (base, images_root), i)
-            if found is None:
-                raise InputError(path, i, f"global image {rec['filename']!r} not found under {base} or {images_root}")
-            globals_[group_id(rec)] = found
-    out = []
-    for i, rec in enumerate(raw):
-        g, local = group_id(rec), _is_local(rec)
-        if not local:
-            out.append(JointRecord((globals_[g], None), rec["caption"], g, False))
-            continue
-        if g not in globals_:
-            raise InputError(path, i, f"local record of group {g!r} has no global record")
-        found = _resolve_first(resolve, rec["filename"], (base, images_root), i)
-        image = (found, None) if found else None
-        if image is None:
-            box = _local_box(rec)
-            if box is None:
-                raise InputError(path, i, f"local crop {rec['filename']!r} not found and no box given")
-            image = (globals_[g], box)
-        out.append(JointRecord(image, rec["caption"], g, True))
-    return out
 
 
 def relevance(records: list[JointRecord], mode: str) -> np.ndarray:
@@ -131,12 +51,6 @@ def ap_per_query(sims: np.ndarray, records: list[JointRecord], mode: str, k: int
     cols = [caps.index(c) for c in first]
     rel_t2i = np.stack([rel[:, j] for j in cols])              # [U, R]: images relevant to caption
     return i2t, average_precision_at_k(sims[:, cols].T, rel_t2i, k), cols
-
-
-def map_at_k(sims: np.ndarray, records: list[JointRecord], mode: str, k: int = 10) -> dict[str, float]:
-    """sims [R, R] image i x caption j. I2T over all R image queries; T2I over unique captions."""
-    i2t, t2i, _ = ap_per_query(sims, records, mode, k)
-    return {"i2t": 100.0 * float(i2t.mean()), "t2i": 100.0 * float(t2i.mean())}
 
 
 def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int = 10, items: list | None = None) -> dict:

@@ -1,4 +1,5 @@
-"""Rank metrics shared by every task: recall@K, top-K hits, mean per-class accuracy, AP@K.
+"""Rank metrics shared by every task: negatives ahead of a query's best positive (recall@K), top-K hits, mean
+per-class accuracy, AP@K.
 
 Tie rule (one rule for every ranked metric in this package): a candidate that scores *exactly* the
 same as the best positive is ranked **ahead** of it when it is a negative, and ties among positives
@@ -35,12 +36,6 @@ def negatives_ahead(scores, positives, chunk: int = 1024) -> np.ndarray:
         best = np.where(pos, sc, -np.inf).max(axis=1, keepdims=True)
         out[s:s + chunk] = ((sc >= best) & ~pos).sum(axis=1)
     return out
-
-
-def recall_at_k(scores, positives, ks) -> dict[int, float]:
-    """Percentage of queries with at least one positive in the top K (min-rank over positives)."""
-    ahead = negatives_ahead(scores, positives)
-    return {k: 100.0 * float((ahead < k).mean()) for k in ks}
 
 
 def topk_hits(logits, labels, k: int) -> np.ndarray:

@@ -23,7 +23,7 @@ FEATURES: dict[str, str] = {
     "word_mask": "[B, L] bool, the BPE tokens of the matched word (HarmoCLIP)",
     # regions and local pairs
     "region": "[B, D] RoIAlign'd dense feature of a box (model.region_features)",
-    "region_text": "[K, D] embedding of each pretraining object's name (stage pretrain, losses/pretrain.py)",
+    "region_text": "[K, D] embedding of each pretraining object's name (stage pretrain, sample/pretrain/loss.py)",
     "region_class": "[K] long, id of that name (equal ids: the same name)",
     "region_teacher": "[B, D] the frozen teacher's embedding of the box crop (HarmoCLIP)",
     "category": "[B] long, the word's category id (HarmoCLIP)",

@@ -38,7 +38,7 @@ paper leaves open is ours:
   (equal to eq. 10 when every image has M sentences; otherwise every sub-caption weighs the same).
 
 Learnable modules and the optimiser: every parameter of this module is new (two `TokenCalibration`s, three
-`ContrastHead`s), so `loss.parameters()` == the parameters of `loss.new_modules()`: put them in their own
+`ContrastHead`s), so `loss.parameters()` are exactly MulCLIP's new modules: put them in their own
 group (paper: lr 2e-4 vs backbone 1e-5; no weight decay on the heads' scale/bias, as open_clip). Under DDP the
 loss module must be a submodule of the DDP-wrapped module (or its grads all-reduced), else ranks diverge.
 
@@ -176,11 +176,6 @@ class MulClipLoss(nn.Module):
         self.max_subcaptions = max_subcaptions
         self.drop_eot = drop_eot
         self.stats: dict[str, torch.Tensor] = {}
-
-    def new_modules(self) -> nn.ModuleDict:
-        """Every learnable module MulCLIP adds to CLIP (for the higher-lr parameter group)."""
-        return nn.ModuleDict({"patch_calibration": self.patch_calibration,
-                              "text_calibration": self.text_calibration, "heads": self.heads})
 
     def calibrate(self, patches: torch.Tensor, text_tokens: torch.Tensor, text_mask: torch.Tensor):
         """v' = calib_v(v_loc), t' = calib_t(t_loc^long) (eq. 4); also the mask of samples with local text."""

@@ -2,7 +2,7 @@
 
 Everything here is NEW (not part of the pretrained CLIP) and trains at the higher learning rate of the paper
 (new modules 2e-4, backbone 1e-5, §4.1). `MulClipLoss` owns one `TokenCalibration` per modality and one
-`ContrastHead` per objective; `MulClipLoss.new_modules()` returns them.
+`ContrastHead` per objective: `MulClipLoss.parameters()` are these modules' and nothing else.
 """
 from __future__ import annotations
 

@@ -136,5 +136,4 @@ class DeglaMethod(Method):
     def after_step(self, module: nn.Module) -> None:
         from clipfinetune.models import ema_update
 
-        module = getattr(module, "module", module)                   # DDP-wrapped
         ema_update(module.teacher, module.model, self.ema_alpha)

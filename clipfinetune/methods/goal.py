@@ -45,18 +45,6 @@ from clipfinetune.boxes import clip_box
 
 from .base import Method
 
-LONG_CONTEXT = 248           # Long-CLIP: 20 + 4 * (77 - 20)
-KEEP_ROWS = 20
-
-
-def stretch_to_long(model, freeze_kept: bool) -> None:
-    """Stretch the text positions to 248 (Long-CLIP) unless the model already takes 248 tokens."""
-    from clipfinetune.models import extend_context
-
-    if model.context_length == LONG_CONTEXT:
-        return
-    extend_context(model, LONG_CONTEXT, keep=KEEP_ROWS, freeze_kept=freeze_kept)
-
 
 def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of hidden [B, N, W] over mask [B, N] (an empty mask gives a zero vector, never NaN)."""
@@ -160,6 +148,8 @@ class GoalMethod(Method):
         pass                                                  # the logit scale is never clamped
 
     def build(self, model) -> nn.Module:
+        from clipfinetune.models import stretch_to_long
+
         stretch_to_long(model, freeze_kept=False)            # GOAL's port: all 248 rows train
         return GoalFeatures(model, local=self.local)
 

@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import MAX_LOGIT_SCALE, Method
-from .goal import LONG_CONTEXT, stretch_to_long
 
 
 class MulClipModule(nn.Module):
@@ -73,7 +72,7 @@ class MulClipModule(nn.Module):
         encoded = model.encode_text(sub_tokens.flatten(0, 1)[rows], normalize=False)
         sub = encoded.new_zeros(sub_valid.numel(), encoded.shape[1]).index_copy(0, rows, encoded)
         sub = sub.view(*sub_valid.shape, -1)
-        pad = LONG_CONTEXT - text["tokens"].shape[1]              # trimmed -> the calibration's 248 slots
+        pad = model.context_length - text["tokens"].shape[1]      # trimmed -> the calibration's 248 slots
         return {"image": image["global_"], "patches": image["patches"], "text": text["global_"],
                 "text_tokens": F.pad(text["tokens"], (0, 0, 0, pad)),
                 "text_mask": F.pad(text["mask"], (0, pad), value=False),
@@ -119,6 +118,7 @@ class MulClipMethod(Method):
 
     def build(self, model) -> nn.Module:
         from clipfinetune.losses.mulclip import MulClipLoss
+        from clipfinetune.models import stretch_to_long
 
         stretch_to_long(model, freeze_kept=True)                   # Long-CLIP: rows 0..19 frozen
         if self._mix_terms is None:                                # alone: the sigmoid heads carry the scales

@@ -11,7 +11,7 @@ from .loading import (
     read_state_dict,
     register_bundled_configs,
 )
-from .long_text import extend_context, stretch_positional_embedding
+from .long_text import LONG_CONTEXT, extend_context, stretch_positional_embedding, stretch_to_long
 from .lora import apply_lora, has_lora, merge_lora
 from .teachers import ema_teacher, ema_update, freeze_tower, freeze_vision_blocks, frozen_teacher
 from .text import get_tokenizer, token_span
@@ -19,6 +19,7 @@ from .text import get_tokenizer, token_span
 register_bundled_configs()
 
 __all__ = [
+    "LONG_CONTEXT",
     "ClipModel",
     "apply_lora",
     "ema_teacher",
@@ -37,5 +38,6 @@ __all__ = [
     "read_state_dict",
     "register_bundled_configs",
     "stretch_positional_embedding",
+    "stretch_to_long",
     "token_span",
 ]

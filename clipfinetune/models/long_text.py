@@ -24,6 +24,9 @@ from torch.nn.utils import parametrize
 
 from .towers import text_tower
 
+LONG_CONTEXT = 248        # Long-CLIP's stretched context, 20 + 4 * (77 - 20): GOAL and MulCLIP train and tokenize at it
+KEEP_ROWS = 20            # Long-CLIP's kept rows (the first 20 positions, the ones short captions mostly use)
+
 
 def stretch_positional_embedding(table: torch.Tensor, keep: int = 20, ratio: int = 4) -> torch.Tensor:
     """Long-CLIP's stretched copy of an [n, W] table -> [keep + ratio * (n - keep), W]."""
@@ -53,7 +56,7 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
     return torch.full((length, length), float("-inf"), device=device).triu_(1)
 
 
-def extend_context(model: nn.Module, length: int = 248, keep: int = 20, freeze_kept: bool = False,
+def extend_context(model: nn.Module, length: int = LONG_CONTEXT, keep: int = KEEP_ROWS, freeze_kept: bool = False,
                    ratio: int | None = None) -> nn.Module:
     """Stretch a CLIP's text positions in place (Long-CLIP); `ratio` overrides `length`."""
     owner = getattr(model, "clip", model)
@@ -75,6 +78,14 @@ def extend_context(model: nn.Module, length: int = 248, keep: int = 20, freeze_k
     clip.context_length = owner.context_length = length
     clip.attn_mask = causal_mask(length, device=old.device)      # non-persistent buffer, as open_clip's
     return model
+
+
+def stretch_to_long(model: nn.Module, freeze_kept: bool) -> None:
+    """Stretch the text positions to LONG_CONTEXT (Long-CLIP) unless the model already takes that many tokens (e.g.
+    a Long-CLIP base). GOAL's port trains every row (`freeze_kept=False`); MulCLIP keeps Long-CLIP's frozen rows."""
+    if model.context_length == LONG_CONTEXT:
+        return
+    extend_context(model, LONG_CONTEXT, keep=KEEP_ROWS, freeze_kept=freeze_kept)
 
 
 def fold_kept_rows_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from clipfinetune.eval import items as item_stats
+from clipfinetune.keys import lookup
 from clipfinetune.report.bootstrap import LEVEL, RESAMPLES, paired_bootstrap
 
 SATURATION = 99.0
@@ -52,11 +53,8 @@ def extra_zeroshot_keys(models: dict, s: str) -> dict[str, str]:
 
 
 def get(metrics: dict | None, key: str):
-    node = metrics
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
+    """The number at dotted `key` of a metrics dict; None when absent or not a number."""
+    node = lookup(metrics, key, None)
     return node if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 

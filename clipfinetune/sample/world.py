@@ -12,9 +12,9 @@ The `pretrain` split exists only to train the from-scratch base CLIP (stage `pre
 web-pretrained model, so its corpus may differ from the fine-tuning corpora): few objects per image (1 to
 PRETRAIN_OBJECTS) and captions that vary in what they name (`captions.pretraining_captions`: shapes only, every
 object with its colour, or an ordinary short caption). Each image's `images[]` entry carries the colour of its
-first object (`colour`), the group `pretrain` batches by (`train.sources.CaptionPairSource`), and, for a one-object
+first object (`colour`), the group `pretrain` batches by (`sample.pretrain.sources.CaptionPairSource`), and, for a one-object
 image, its shape and colour (`labels`, else empty), the targets of the image tower's label warm-up
-(`train.label_warmup`: on one-object images the tiny ViT learnt shape about twice as fast as on all images' sets
+(`sample.pretrain.label_warmup`: on one-object images the tiny ViT learnt shape about twice as fast as on all images' sets
 of shapes and colours, 45% vs 24% after 200 steps), and every object's box, labels and name ("a red circle") (`regions`), the targets of
 the warm-up's region term and of pretraining's region-text term. A share of the images are close-ups of one large object (CLOSEUP_SHARE). On the short captions
 of the 2-4-object train scenes a tiny CLIP learns colour and stays shape-blind (issue 22).
@@ -100,7 +100,7 @@ def _coco_split(w: _Writer, cfg: WorldConfig, split: str, n: int, id0: int):
         w.image(f"images/{split}/{fn}", sc, rng, split)
         scenes.append(sc), ids.append(iid), names.append(fn)
     captions = formats.captions(scenes, ids, names, caps)
-    if pretraining:       # the batch group of `pretrain` (clipfinetune.train.sources.CaptionPairSource)
+    if pretraining:       # the batch group of `pretrain` (clipfinetune.sample.pretrain.sources.CaptionPairSource)
         for image, sc in zip(captions["images"], scenes):
             image["colour"] = sc.objects[0].colour
             image["labels"] = [sc.objects[0].shape, sc.objects[0].colour] if len(sc.objects) == 1 else []

@@ -22,19 +22,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.project import TINY, write_params
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
-# the tiny world: a few seconds per stage, but every code path (several shards, COCO + DOCCI, train + test)
-TINY = {
-    "sample": {"n_train": 8, "n_val": 4, "n_docci_train": 6, "n_docci_test": 2, "n_compositional": 2,
-               "n_zeroshot_per_class": 1, "n_pretrain": 8},
-    "pretrain": {"epochs": 1, "batch_size": 4, "warmup": 1, "checkpoint_every": 0, "label_warmup_steps": 2},
-    "train": {"epochs": 2, "batch_size": 4, "warmup": 1, "checkpoint_every": 1, "workers": 0},
-    "shards": {"maxcount": 4},
-    "lism": {"batch_size": 16},
-}
+# the tests' tiny profile (tests/fixtures/project.py), and what the faults exercise beyond it: a training run with a
+# checkpoint after every step over two epochs (kills and resumes between them), several shards per source
+FAULTS = {"train": {"epochs": 2, "checkpoint_every": 1}, "shards": {"maxcount": 4}}
 # stage -> what it writes (relative to the project root); meta keys that measure the run, not its result
 OUTPUTS = {
     "sample": ["data/sample"],
@@ -83,7 +78,9 @@ def start_stage(root: Path, stage: str) -> subprocess.Popen:
                             text=True)
 
 
-def run_stage(root: Path, stage: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+# a guard against a hung stage, not a speed test: the tiny profile's stages take seconds on an idle machine and several
+# minutes on a shared 2-core one
+def run_stage(root: Path, stage: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(stage_cmd(stage), cwd=root, env=ENV, capture_output=True, text=True, timeout=timeout,
                           check=False)                     # a failure is reported below, with the stage's output
     if check and proc.returncode != 0:
@@ -174,14 +171,15 @@ def tiny_project(tmp_path_factory) -> Project:
             shutil.copy2(src, root / rel)
     subprocess.run([PY, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, env=ENV, check=True)
     proj = Project(root)
-    proj.set_params(**TINY)
+    write_params(root, TINY)
+    write_params(root, FAULTS)
     proj.durations = {}
 
     def timed(stages):       # independent stages run side by side (one thread each)
         t0 = time.perf_counter()
         procs = {s: start_stage(root, s) for s in stages}
         for s, p in procs.items():
-            out, _ = p.communicate(timeout=300)
+            out, _ = p.communicate(timeout=900)
             if p.returncode != 0:
                 raise AssertionError(f"building the tiny project: stage {s} failed:\n{out[-5000:]}")
             proj.durations[s] = time.perf_counter() - t0

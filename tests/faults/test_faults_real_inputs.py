@@ -114,7 +114,10 @@ def plant_images(proj) -> dict:
     dump(proj, CAPTIONS, caps)
     dump(proj, INSTANCES, inst)
     recs = sorted(docci_lines(proj), key=lambda r: r["example_id"])
-    for kind, rec in zip(planted, recs):
+    # two test images, then train ones: the bad variants land in training (a bomb in the test split would be an
+    # evaluation image with the COCO bomb's bytes, which the leakage check rightly refuses)
+    planted_order = [r for r in recs if r["split"] != "train"][:2] + [r for r in recs if r["split"] == "train"]
+    for kind, rec in zip(planted, planted_order):
         old = proj / DOCCI_IMAGES / rec["image_file"]
         orig = Image.open(old).convert("RGB")
         suffix, data, expected = variant(kind, orig)
@@ -245,7 +248,6 @@ NON_LATIN = "一个红色的圆圈 🔴 и синий квадрат, دائرة
 def test_long_multilingual_and_crowd_annotations_through_the_text_stages(tiny_project, tmp_path, inprocess):
     from clipfinetune.data.loader import ExampleContext
     from clipfinetune.methods import build_method
-    from clipfinetune.methods.goal import LONG_CONTEXT
     from clipfinetune.models import load_model
 
     ref_wr = tiny_project.meta("data/prepared/word_regions.meta.json")
@@ -315,8 +317,7 @@ def test_long_multilingual_and_crowd_annotations_through_the_text_stages(tiny_pr
 
     # the training examples: 77 tokens for CLIP-length methods; a word past the truncation has no token positions
     model = load_model("local-dir:" + str(proj / "models/base"))
-    ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span,
-                         tokenize_long=lambda t: model.tokenize(t, context_length=LONG_CONTEXT))
+    ctx = ExampleContext.of_model(model)
     image = Image.new("RGB", (coco_rec["width"], coco_rec["height"]))
     harmo = build_method("harmoclip")
     k_long = coco_rec["captions"].index(long_caption)

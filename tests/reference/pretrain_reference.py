@@ -1,5 +1,5 @@
-"""Float64 per-sample reference for the sample world's pretraining region-text term (losses/pretrain.py), written
-from its formula (imports nothing from clipfinetune):
+"""Float64 per-sample reference for the sample world's pretraining region-text term
+(clipfinetune/sample/pretrain/loss.py), written from its formula (imports nothing from clipfinetune):
 L_rt = -1/K sum_k log [ exp(s cos(r_k, t_c(k))) / sum_{c in C} exp(s cos(r_k, t_c)) ], C = the distinct names."""
 import math
 

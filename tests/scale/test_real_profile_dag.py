@@ -225,7 +225,7 @@ def test_method_epochs_take_their_units_steps_and_resume_mid_epoch(real, name, t
 
     def train(run, interrupt_at=None):
         model = load_model(f"local-dir:{repo / 'models' / 'base'}")
-        ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
+        ctx = ExampleContext.of_model(model)
         source = ShardLoader(repo / "data" / "shards", "train", get_method(name)(), ctx, batch_size=2, seed=0,
                              epoch_unit=cfg.epoch_unit)
         if interrupt_at is not None:

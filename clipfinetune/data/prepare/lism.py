@@ -247,17 +247,6 @@ def assemble_lism(records, results: list[dict], by_image: dict, boxes_of: dict, 
     return train_rows, tests, meta
 
 
-def run_lism(records, sentences, segments, model, batch_size: int, test_dir) -> tuple[list[dict], list, dict]:
-    """LISM over a long-caption source's `records` (`readers.Record`) in one process: every sentence of each
-    train-split image matched to a region (rows of local_pairs.parquet, `chosen` marking the image's training
-    pair) and, for the test split, GOAL's joint test-list items written under `test_dir`
-    (`eval.global_local.test_items`). Returns (train rows, test items, meta)."""
-    records = sorted(records, key=lambda r: r.image_id)
-    by_image, boxes_of = lism_inputs(sentences, segments)
-    results = lism_unit(records, by_image, boxes_of, model, batch_size)
-    return assemble_lism(records, results, by_image, boxes_of, test_dir)
-
-
 def read_ground_truth(path, sentences) -> dict:
     """The sample world's LISM truth (jsonl: example_id, sentence or sentence_index, box) -> {(image_id, sentence
     text): box}; sentences are matched by text, so the sentence splitter may differ."""

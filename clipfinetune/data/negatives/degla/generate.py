@@ -30,7 +30,6 @@ from clipfinetune.data.negatives.degla.validators import TYPES, check
 from clipfinetune.data.negatives.rules import warm
 
 log = logging.getLogger(__name__)
-SLOTS = (("reshuffle",), ("swap_nouns", "swap_adjectives"), ("replace_adjectives",), ("replace_nouns",))
 FILL_TYPES = ("replace_nouns", "replace_adjectives")
 COLUMNS = ("image_id", "caption_index", "caption", "type", "negative")
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from reference import pretrain_reference as ref
 
-from clipfinetune.losses.pretrain import PretrainLoss, region_text_loss
+from clipfinetune.sample.pretrain.loss import PretrainLoss, region_text_loss
 
 K, D = 7, 8
 

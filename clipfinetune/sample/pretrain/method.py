@@ -1,4 +1,4 @@
-"""The `pretrain` stage's method: plain CLIP plus the region-text term (`losses/pretrain.py`), sample world only.
+"""The `pretrain` stage's method: plain CLIP plus the region-text term (`sample/pretrain/loss.py`), sample world only.
 
 Not a fine-tuning run (clipfinetune/registry.py lists those): `CaptionPairSource` with a region key serves the
 batches, whose `region_boxes` / `region_text` / `region_class` name every object of the batch's images.
@@ -36,6 +36,6 @@ class PretrainMethod(ClipMethod):
         return PretrainFeatures(model)
 
     def loss(self) -> nn.Module:
-        from clipfinetune.losses.pretrain import PretrainLoss
+        from clipfinetune.sample.pretrain.loss import PretrainLoss
 
         return PretrainLoss(self.region_text_weight)

@@ -1,4 +1,5 @@
-"""The sample world's pretraining objective (stage `pretrain`): CLIP's contrastive loss plus a region-text term.
+"""The sample world's pretraining objective (stage `pretrain`): CLIP's contrastive loss plus a region-text term
+(float64 reference: tests/reference/pretrain_reference.py).
 
 Not one of the five papers: the objective of the from-scratch base CLIP that stands in for a web-pretrained one
 (issue 22). Contrastive training of the pooled embedding alone leaves the dense features that box classification
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss
+from clipfinetune.losses.common import clip_contrastive_loss
 
 
 def region_text_loss(region: torch.Tensor, region_text: torch.Tensor, region_class: torch.Tensor,

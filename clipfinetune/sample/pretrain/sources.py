@@ -1,4 +1,4 @@
-"""Batch sources for the loop (`loop.BatchSource`): the `pretrain` caption pairs.
+"""The `pretrain` stage's caption pairs as the Trainer's batches (`train.loop.BatchSource`), sample world only.
 
 `CaptionPairSource` serves reader records with short captions (`clipfinetune.data.readers`; the sample world's
 `pretrain` source) for training from scratch: every epoch each image appears once, with one of its captions drawn
@@ -17,7 +17,7 @@ apart, while the mixed part keeps colour worth learning. Contrastive pretraining
 settles on colour, the fast feature, and stays shape-blind; batches of one colour alone forget colour (issue 22).
 
 Labels (`label_key`): the record's list of names under that `extra` (`images[]`) key as a multi-hot row of
-`labels` (columns: `label_names`, sorted), for the image tower's label warm-up (`train.label_warmup`). Regions
+`labels` (columns: `label_names`, sorted), for the image tower's label warm-up (`sample.pretrain.label_warmup`). Regions
 (`region_key`): the record's list of `{"box": xyxy pixels, "labels": [names]}` under that key, as boxes in
 model-input pixels and multi-hot rows over the same columns (the warm-up's region term); each entry's `text`
 names the object, and every batch then carries its objects' boxes (`region_boxes` [K, 5]: batch row, xyxy), names'
