@@ -307,7 +307,7 @@ def test_goal_crops_sharing_a_file_name_resolve_by_relative_path_or_fail(tmp_pat
 
 
 def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_matches(tmp_path):
-    from clipfinetune.eval import global_local
+    from clipfinetune.data import joint_list
 
     images = tmp_path / "images"
     write_image(images / "a.jpg", 1)
@@ -320,10 +320,10 @@ def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_match
         + [{"filename": f"chage/path/{s}.jpg_results/original_image.jpg", "caption": f"local {s}"}
            for s in ("a", "b")]))
     with pytest.raises(InputError, match=r"joint_test\.json.*ambiguous"):
-        global_local.read_joint_list(joint, images)
+        joint_list.read_joint_list(joint, images)
     for s, k in (("a", 4), ("b", 5)):
         write_image(images / f"{s}.jpg_results" / "original_image.jpg", k)
-    records = global_local.read_joint_list(joint, images)
+    records = joint_list.read_joint_list(joint, images)
     assert [r.image[0] for r in records if r.is_local] == \
         [str(images / f"{s}.jpg_results" / "original_image.jpg") for s in ("a", "b")]
 

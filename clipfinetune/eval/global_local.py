@@ -1,11 +1,7 @@
 """GOAL's global-local mAP@10 (`mAP_goal_jointtest.py`, BENCHMARKS §7) in two modes.
 
-Test list (BENCHMARKS §7.1, written by the `lism` stage): global records `{filename, caption}` and local
-records `{filename: ".../<stem>.jpg_results/<crop>.png", caption: <sentence>, similarity_score}`.
-A record is local when its parent folder ends in `_results` (or it says `"kind": "local"`).
-Group id: a global's file stem; a local's parent folder minus `_results` and the extension.
-A local crop file that is absent may be given as a box on its global image instead
-(`box` xyxy or GOAL's `bbox_coordinates` {x1, y1, x2, y2}, original pixels).
+Test list (BENCHMARKS §7.1, written by the `lism` stage): its format, reader and writer are
+`clipfinetune.data.joint_list` (`read_joint_list` -> `JointRecord`s: image, caption, group, is_local).
 
 * mode "linked" (the intended protocol; reported as the headline): I2T - a global query's relevant
   captions are its own and its locals'; a local query's are its own and its global's. T2I (one query
@@ -17,91 +13,12 @@ ties rank negatives first (`ranking.py`). Reported x100.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
-from clipfinetune.eval.encode import AmbiguousImageName, Encoder, ImageResolver
+from clipfinetune.data.joint_list import JointRecord, read_joint_list  # noqa: F401  (the suite reads sets here)
+from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import average_precision_at_k
-from clipfinetune.io import InputError
-
-
-@dataclass
-class JointRecord:
-    image: tuple          # (path, crop box or None)
-    caption: str
-    group: str
-    is_local: bool
-
-
-def _is_local(rec: dict) -> bool:
-    if "kind" in rec:
-        return rec["kind"] == "local"
-    return Path(rec["filename"]).parent.name.endswith("_results")
-
-
-def group_id(rec: dict) -> str:
-    p = Path(rec["filename"])
-    if _is_local(rec):
-        name = p.parent.name
-        name = name.removesuffix("_results")
-        return rec.get("group") or Path(name).stem
-    return rec.get("group") or p.stem
-
-
-def _local_box(rec: dict):
-    if rec.get("box") is not None:
-        return [float(v) for v in rec["box"]]
-    b = rec.get("bbox_coordinates")
-    if b:
-        return [float(b["x1"]), float(b["y1"]), float(b["x2"]), float(b["y2"])]
-    return None
-
-
-def _resolve_first(resolve: ImageResolver, name: str, roots, record) -> str | None:
-    for root in roots:
-        try:
-            return resolve(name, root, record)
-        except AmbiguousImageName:
-            raise
-        except InputError:
-            pass
-    return None
-
-
-def read_joint_list(path, images_root) -> list[JointRecord]:
-    """Paths resolve against the list's folder first (the `lism` stage writes them relative to it), then
-    `images_root` (also by basename, for GOAL's shipped placeholder prefixes)."""
-    raw = json.loads(Path(path).read_text())
-    base = Path(path).parent
-    resolve = ImageResolver(path)
-    globals_: dict[str, str] = {}
-    for i, rec in enumerate(raw):
-        if not _is_local(rec):
-            found = _resolve_first(resolve, rec["filename"], (base, images_root), i)
-            if found is None:
-                raise InputError(path, i, f"global image {rec['filename']!r} not found under {base} or {images_root}")
-            globals_[group_id(rec)] = found
-    out = []
-    for i, rec in enumerate(raw):
-        g, local = group_id(rec), _is_local(rec)
-        if not local:
-            out.append(JointRecord((globals_[g], None), rec["caption"], g, False))
-            continue
-        if g not in globals_:
-            raise InputError(path, i, f"local record of group {g!r} has no global record")
-        found = _resolve_first(resolve, rec["filename"], (base, images_root), i)
-        image = (found, None) if found else None
-        if image is None:
-            box = _local_box(rec)
-            if box is None:
-                raise InputError(path, i, f"local crop {rec['filename']!r} not found and no box given")
-            image = (globals_[g], box)
-        out.append(JointRecord(image, rec["caption"], g, True))
-    return out
 
 
 def relevance(records: list[JointRecord], mode: str) -> np.ndarray:
@@ -152,33 +69,3 @@ def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int =
         record(items, Items(f"i2t{suffix}", "ap", ids, i2t), Items(f"t2i{suffix}", "ap", [ids[j] for j in cols], t2i))
         out[f"i2t_map{k}{suffix}"], out[f"t2i_map{k}{suffix}"] = 100.0 * float(i2t.mean()), 100.0 * float(t2i.mean())
     return {**out, "n_records": len(records), "n_local": sum(r.is_local for r in records)}
-
-
-# ------------------------------------------------------------------------------------------ writing the test list
-def test_items(image, image_id: str, image_name: str, caption: str, sentence: str, crop_box, score: float,
-               test_dir: Path) -> tuple[dict, dict]:
-    """One image's two items of GOAL's joint test list (BENCHMARKS §7.1), with their files under `test_dir`:
-    the global image `photos/<stem>.jpg` with its long caption, and the local item, the crop `crop_box` (None:
-    the global image itself won, as in GOAL's shipped list) with its sentence. Paths relative to `test_dir`."""
-    stem = Path(image_name).stem
-    global_name = f"photos/{stem}.jpg"
-    (test_dir / "photos").mkdir(exist_ok=True)
-    image.save(test_dir / global_name, quality=95)
-    seg_dir = test_dir / "segments" / f"{stem}.jpg_results"
-    seg_dir.mkdir(parents=True, exist_ok=True)
-    if crop_box is not None:
-        candidate, box = crop_box
-        local_name = f"segments/{stem}.jpg_results/{stem}_max_{candidate}.png"
-        image.crop(tuple(round(v) for v in box)).save(test_dir / local_name)
-    else:
-        local_name = f"segments/{stem}.jpg_results/original_image.jpg"
-        image.save(test_dir / local_name, quality=95)
-    return ({"filename": global_name, "caption": caption, "image_id": image_id},
-            {"filename": local_name, "caption": sentence, "similarity_score": round(score, 4), "image_id": image_id})
-
-
-def write_test_list(test_dir: Path, items: list[tuple[dict, dict]]) -> None:
-    """GOAL's joint list `test.json`: every global item first, then one local item per image (what
-    `read_joint_list` reads back)."""
-    globals_, locals_ = zip(*items) if items else ((), ())
-    (Path(test_dir) / "test.json").write_text(json.dumps([*globals_, *locals_], indent=1))
