@@ -222,9 +222,10 @@ class Matcher:
     part's files exist). The items depend on the image alone, never on the rank or the unit that computed it.
 
     Images are decoded and their crops cut in `workers` DataLoader workers (0: in this thread); the test items' files
-    are written by as many threads (at least one). On the CPU each image is encoded on its own (byte-identical scores, module
-    docstring); on a GPU (`shared_batches`, by default when the model is on one) the candidates and sentences of a
-    unit share batches. `texts_of` / `boxes_of`: {image_id: its sentences / its segment boxes} (`lism_inputs`)."""
+    are written by as many threads (at least one) while the next images are matched. On the CPU each image is
+    encoded on its own (byte-identical scores, module docstring); on a GPU (`shared_batches`, by default when the
+    model is on one) the candidates and sentences of a unit share batches. `texts_of` / `boxes_of`: {image_id: its
+    sentences / its segment boxes} (`lism_inputs`)."""
 
     def __init__(self, model, texts_of: dict, boxes_of: dict, batch_size: int, files_dir, workers: int = 0,
                  shared_batches: bool | None = None):
@@ -246,8 +247,14 @@ class Matcher:
                 yield self._unit(unit, prepared, writers)
 
     def _unit(self, unit: list, prepared: Iterator[dict], writers) -> list[dict]:
-        results, matched = [], []
+        results, matched, writing = [], [], []
         embedder = _Embedder(self.model, self.batch_size)
+
+        def matches_known(record, item, matches: list[SentenceMatch]) -> None:
+            if _split(record) == TEST_SPLIT:        # its list items are written while the next images are matched
+                writing.append((item, writers.submit(self._test_items, record, matches)))
+            item["matches"] = [[m.sentence_index, m.candidate, m.score] for m in matches]
+
         for record in unit:
             item = next(prepared)           # streamed: a unit's decoded images are never all held at once
             pixels = item.pop("pixels", None)
@@ -260,7 +267,8 @@ class Matcher:
             matched.append((record, item, len(pixels)))
             if not self.shared:                 # one image at a time: its own batches
                 texts = self.texts_of[record.image_id]
-                item["matches"] = match_sentences(embed_texts(self.model, texts, self.batch_size), embedder.flush())
+                matches_known(record, item, match_sentences(embed_texts(self.model, texts, self.batch_size),
+                                                            embedder.flush()))
         if self.shared and matched:             # the unit's candidates and sentences in shared batches
             candidate_emb = embedder.flush()
             sentence_emb = embed_texts(self.model, [t for r, _, _ in matched for t in self.texts_of[r.image_id]],
@@ -268,17 +276,11 @@ class Matcher:
             ci = si = 0
             for record, item, n in matched:
                 k = len(self.texts_of[record.image_id])
-                item["matches"] = match_sentences(sentence_emb[si:si + k], candidate_emb[ci:ci + n])
+                matches_known(record, item, match_sentences(sentence_emb[si:si + k], candidate_emb[ci:ci + n]))
                 ci, si = ci + n, si + k
-        writing = {}
-        for record, item, _ in matched:
-            if _split(record) == TEST_SPLIT:
-                writing[id(item)] = writers.submit(self._test_items, record, item["matches"])
-            item["matches"] = [[m.sentence_index, m.candidate, m.score] for m in item["matches"]]
-        for record, item, _ in matched:
-            if id(item) in writing:
-                item["test"] = list(writing[id(item)].result())
-                self.counts["test_items"] += 1
+        for item, written in writing:           # the part is written after its files
+            item["test"] = list(written.result())
+        self.counts["test_items"] += len(writing)
         return results
 
     def _test_items(self, record, matches: list[SentenceMatch]) -> tuple[dict, dict]:
