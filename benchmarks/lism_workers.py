@@ -1,21 +1,25 @@
 """LISM's matching with its images decoded in DataLoader workers against decoding in the rank's own thread.
 
-`python -m benchmarks.lism_workers [--images 24] [--size 1024x768] [--boxes 12] [--workers 2] [--rounds 3]`
+`python -m benchmarks.lism_workers [--images 16] [--size 2048x1536] [--boxes 12] [--workers 2] [--rounds 3]`
 
 The `lism` stage's `Matcher` (clipfinetune/data/prepare/lism.py) over one list of DOCCI-like records written here:
-`--images` JPEGs of `--size` (shapes on a noisy background), `--boxes` segment boxes and 3-6 sentences each, every
-third a test image (DOCCI: 5,000 test of 14,647), whose items of GOAL's test list are written too. The matcher is the
-sample world's tiny CLIP (`cft-tiny-vit`, random weights: the scores do not matter, the time does) on the CPU, its
-forwards at one thread as the stage runs them. `workers 0` decodes each image, cuts its crops and transforms them in
-the calling thread (what every rank did before); `--workers N` does that in N DataLoader workers while the main
-thread runs the forwards. Rounds alternate the order; candidates (the image + its crops) per second, median over
-rounds, and the ratio workers / main thread. With a model whose forward dominates (ViT-L-14-336 on a CPU) the
-ratio tends to 1; on a GPU, where the forward is fast, the decoding is what bounds a rank.
+`--images` JPEGs of `--size` (shapes on a noisy background; by default 3 MP, as DOCCI's photographs are large),
+`--boxes` segment boxes and 3-6 sentences each, every third a test image (DOCCI: 5,000 test of 14,647), whose items
+of GOAL's test list are written too. The matcher is the sample world's tiny CLIP (`cft-tiny-vit`, random weights:
+the scores do not matter, the time does) on the CPU, its forwards at one thread as the stage runs them. `workers 0`
+decodes each image, cuts its crops and transforms them, and writes the test items, in the calling thread (what every
+rank did before); `--workers N` does that in N DataLoader workers (and N writer processes) while the rank's own
+process runs the forwards. Rounds alternate the order; candidates (the image + its crops) per wall second, and per
+CPU second of the rank's own process: what bounds a rank once its workers have cores of their own (on a loaded
+machine the wall figures show the load instead). Medians over rounds, and the ratios workers / main thread. With a
+model whose forward dominates (ViT-L-14-336 on a CPU) the ratios tend to 1; on a GPU, where the forward is fast, the
+decoding is what bounds a rank.
 Scratch: benchmarks/_work/lism_workers/ (replaced each run).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import statistics
@@ -53,21 +57,24 @@ def write_records(root, n: int, size: tuple[int, int], n_boxes: int):
     return records, texts, boxes
 
 
-def candidates_per_s(model, records, texts, boxes, workers: int, files_dir, batch_size: int = 64) -> float:
+def candidates_per_s(model, records, texts, boxes, workers: int, files_dir, batch_size: int = 64) -> tuple:
+    """(candidates per wall second, candidates per CPU second of this process: the rank's own process, whose CPU
+    time is what bounds it once the workers have cores of their own)."""
     from clipfinetune.data.prepare.lism import Matcher
 
     shutil.rmtree(files_dir, ignore_errors=True)
     matcher = Matcher(model, texts, boxes, batch_size, files_dir, workers=workers)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in matcher([records[i:i + 4] for i in range(0, len(records), 4)]):       # the stage's CPU unit: 4 images
         pass
-    return matcher.counts["candidates"] / (time.perf_counter() - t0)
+    n = matcher.counts["candidates"]
+    return n / (time.perf_counter() - t0), n / (time.process_time() - c0)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--images", type=int, default=24)
-    ap.add_argument("--size", default="1024x768", help="width x height of each image")
+    ap.add_argument("--images", type=int, default=16)
+    ap.add_argument("--size", default="2048x1536", help="width x height of each image")
     ap.add_argument("--boxes", type=int, default=12)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -83,18 +90,23 @@ def main(argv=None) -> dict:
     model = load_model("cft-tiny-vit").eval()
     sides = {"main thread": 0, f"{a.workers} workers": a.workers}
     candidates_per_s(model, records[:4], texts, boxes, 0, work / "files")         # warm-up
-    rates: dict[str, list[float]] = {s: [] for s in sides}
+    rates: dict[str, list[tuple]] = {s: [] for s in sides}
     for r in range(a.rounds):
         for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
             rates[side].append(candidates_per_s(model, records, texts, boxes, sides[side], work / "files"))
-    med = {s: statistics.median(v) for s, v in rates.items()}
-    before, after = med["main thread"], med[f"{a.workers} workers"]
+    wall = {s: statistics.median(w for w, _ in v) for s, v in rates.items()}
+    cpu = {s: statistics.median(c for _, c in v) for s, v in rates.items()}
+    before, after = list(sides)
     print(f"LISM Matcher, cft-tiny-vit on the CPU ({torch.get_num_threads()} torch threads, forwards at 1), "
-          f"{a.images} images of {a.size}, {a.boxes} boxes each, every third a test image")
-    print(f"candidates/s, median of {a.rounds}: main thread {before:.1f}, {a.workers} DataLoader workers {after:.1f}, "
-          f"ratio {after / before:.2f}")
+          f"{a.images} images of {a.size}, {a.boxes} boxes each, every third a test image; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"candidates per wall second, median of {a.rounds}: {before} {wall[before]:.1f}, {after} {wall[after]:.1f}, "
+          f"ratio {wall[after] / wall[before]:.2f}")
+    print(f"candidates per CPU second of the rank's process: {before} {cpu[before]:.1f}, {after} {cpu[after]:.1f}, "
+          f"ratio {cpu[after] / cpu[before]:.2f} (the bound on free cores)")
     shutil.rmtree(work, ignore_errors=True)
-    return {"main_thread": before, "workers": after, "ratio": after / before, "n_workers": a.workers}
+    return {"wall": wall, "cpu": cpu, "wall_ratio": wall[after] / wall[before], "cpu_ratio": cpu[after] / cpu[before],
+            "n_workers": a.workers}
 
 
 if __name__ == "__main__":

@@ -354,3 +354,47 @@ def test_the_global_image_winning_links_the_original_as_the_local_item(tmp_path)
     for item in (g, local):
         assert (tmp_path / "out" / item["filename"]).read_bytes() == rec.path.read_bytes()
     assert local["similarity_score"] == 31.2346
+
+
+def test_a_killed_rank_leaves_no_worker_or_writer_process_behind(tmp_path):
+    """SIGKILL of a rank mid-run (a lease's end, the OOM killer): its DataLoader workers and test-list writer
+    processes end by themselves instead of waiting for work forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "rank.py"
+    script.write_text(f"""
+import multiprocessing, sys, time
+from pathlib import Path
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+from test_lism import _world
+from clipfinetune.data.prepare.lism import Matcher
+records, texts, boxes, model = _world(Path({str(tmp_path)!r}), n=7)
+units = Matcher(model, texts, boxes, 2, Path({str(tmp_path / "files")!r}), workers=2)([records[i:i + 2] for i in range(0, 7, 2)])
+next(units)
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+time.sleep(300)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    children = [int(pid) for pid in proc.stdout.readline().split()]
+    assert len(children) >= 3                       # 2 DataLoader workers and at least one writer
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()     # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [pid for pid in children if alive(pid)]
+    for pid in left:                                # never leave them running, whatever the outcome
+        os.kill(pid, signal.SIGKILL)
+    assert not left

@@ -38,12 +38,15 @@ only links the units' files into the output.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from clipfinetune.data.joint_list import write_items
 
 
 @dataclass
@@ -221,8 +224,10 @@ class Matcher:
     list (`joint_list.write_items`), whose files are written under `files_dir` before the result is yielded (so a
     part's files exist). The items depend on the image alone, never on the rank or the unit that computed it.
 
-    Images are decoded and their crops cut in `workers` DataLoader workers (0: in this thread); the test items' files
-    are written by as many threads (at least one) while the next images are matched. On the CPU each image is
+    Images are decoded and their crops cut in `workers` DataLoader workers, and the test items' files (the original
+    linked, the chosen crop decoded again, cut and encoded as a PNG) written by as many worker processes while the
+    next images are matched, so the rank's own process only runs the forwards; `workers` 0 does both in this
+    thread. On the CPU each image is
     encoded on its own (byte-identical scores, module docstring); on a GPU (`shared_batches`, by default when the
     model is on one) the candidates and sentences of a unit share batches. `texts_of` / `boxes_of`: {image_id: its
     sentences / its segment boxes} (`lism_inputs`)."""
@@ -235,16 +240,21 @@ class Matcher:
         self.counts = {"images": 0, "candidates": 0, "test_items": 0}
 
     def __call__(self, units: list) -> Iterator[list[dict]]:
-        from concurrent.futures import ThreadPoolExecutor
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
         records = [r for unit in units for r in unit]
         loader = DataLoader(_Candidates(records, set(self.texts_of), self.boxes_of, self.model.transform),
                             batch_size=None, num_workers=self.workers,
                             pin_memory=model_device(self.model).type == "cuda")
         prepared = iter(loader)
-        with ThreadPoolExecutor(max(1, self.workers)) as writers:
+        # forked as the DataLoader forks its workers (they never touch CUDA), and gone with the rank as they are
+        writers = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"), initializer=_exit_with_parent,
+                                      initargs=(os.getpid(),)) if self.workers else \
+            contextlib.nullcontext(_InThisThread())
+        with writers as pool:
             for unit in units:
-                yield self._unit(unit, prepared, writers)
+                yield self._unit(unit, prepared, pool)
 
     def _unit(self, unit: list, prepared: Iterator[dict], writers) -> list[dict]:
         results, matched, writing = [], [], []
@@ -252,7 +262,8 @@ class Matcher:
 
         def matches_known(record, item, matches: list[SentenceMatch]) -> None:
             if _split(record) == TEST_SPLIT:        # its list items are written while the next images are matched
-                writing.append((item, writers.submit(self._test_items, record, matches)))
+                writing.append((item, writers.submit(write_items, record, *self._test_pair(record, matches),
+                                                     self.files_dir)))
             item["matches"] = [[m.sentence_index, m.candidate, m.score] for m in matches]
 
         for record in unit:
@@ -283,15 +294,40 @@ class Matcher:
         self.counts["test_items"] += len(writing)
         return results
 
-    def _test_items(self, record, matches: list[SentenceMatch]) -> tuple[dict, dict]:
-        """GOAL's joint test list keeps the single best (sentence, candidate) pair of the image, the global image
-        included (`choose_test_pair`)."""
-        from clipfinetune.data.joint_list import write_items
-
+    def _test_pair(self, record, matches: list[SentenceMatch]) -> tuple:
+        """(sentence, candidate, box, score) of GOAL's joint test list for this image: its single best (sentence,
+        candidate) pair, the global image included (`choose_test_pair`)."""
         best = choose_test_pair(matches)
         box = self.boxes_of[record.image_id][best.candidate - 1] if best.candidate else None
-        return write_items(record, self.texts_of[record.image_id][best.sentence_index], best.candidate, box,
-                           best.score, self.files_dir)
+        return self.texts_of[record.image_id][best.sentence_index], best.candidate, box, best.score
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """In a writer process: end it when the rank that started it is gone (a killed rank leaves no writers behind;
+    a pool's idle worker would otherwise wait for work forever), as DataLoader's workers watch theirs."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class _InThisThread:
+    """An executor that runs each job when it is submitted (`workers` 0: everything in the rank's own thread)."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001  (raised where the result is read, as a pool's future does)
+            future.set_exception(e)
+        return future
 
 
 def lism_inputs(sentences, segments) -> tuple[dict, dict]:
