@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import os
 import re
 import shutil
 import subprocess
@@ -135,11 +136,11 @@ def main(argv=None) -> int:
     print(f"{len(pins)} packages, {len(folders)} packs:")
     for f in folders:
         mib = sum(p.stat().st_size for p in f.iterdir()) / 2 ** 20
-        print(f"  {f.relative_to(root)}: {len(list(f.glob('*.whl')))} wheels, {mib:.1f} MiB")
+        print(f"  {os.path.relpath(f, root)}: {len(list(f.glob('*.whl')))} wheels, {mib:.1f} MiB")
     install = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
     print("calls (one machine, each right after the last: it stays warm ~30 s):")
     for i, f in enumerate(folders, 1):
-        rel = f.relative_to(root)
+        rel = os.path.relpath(f, root)          # carry names paths inside the repository
         last = i == len(folders)
         cmd = f"{install} --target /tmp/site-{i} {rel}/*.whl"
         if last:
