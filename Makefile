@@ -55,6 +55,16 @@ test-scale: setup
 bench: setup
 	source $(BIN)/activate && python -m benchmarks
 
+# The GPU acceptance run (benchmarks/acceptance.py): one table, <= 8 min on one H100/H200; without CUDA it is the CPU
+# rehearsal. On a GPU lease run `python3 -m benchmarks.acceptance` itself (no venv there: benchmarks/README.md).
+# acceptance-tiny: that rehearsal at the tiny size, what tests/scale/test_acceptance.py (make test-scale) runs.
+.PHONY: acceptance acceptance-tiny
+acceptance: setup
+	source $(BIN)/activate && python -m benchmarks.acceptance
+
+acceptance-tiny: setup
+	source $(BIN)/activate && python -m benchmarks.acceptance --tiny
+
 lint: setup
 	$(BIN)/ruff check clipfinetune stages tests benchmarks
 

@@ -22,6 +22,7 @@ import io
 import random
 import tarfile
 import time
+from pathlib import Path
 
 from clipfinetune import registry
 
@@ -30,7 +31,7 @@ from .common import SHARDS, Row, load_params, median
 BATCH = 32
 ROUNDS, STEPS, WARMUP = 3, 3, 2
 METHODS = (*registry.METHODS, registry.MIX)
-_SAMPLES = None
+_SAMPLES: dict = {}
 
 
 class FixedSource:
@@ -47,14 +48,13 @@ class FixedSource:
             yield self.batch
 
 
-def shard_samples() -> list[tuple[str, bytes, dict]]:
-    """(key, jpg bytes, json record) of every train shard sample, in shard order (cached)."""
+def shard_samples(shards=SHARDS) -> list[tuple[str, bytes, dict]]:
+    """(key, jpg bytes, json record) of every train shard sample of the folder `shards`, in shard order (cached)."""
     import json
 
-    global _SAMPLES
-    if _SAMPLES is None:
+    if str(shards) not in _SAMPLES:
         out = []
-        for path in sorted(SHARDS.glob("train-*.tar")):
+        for path in sorted(Path(shards).glob("train-*.tar")):
             members: dict[str, dict] = {}
             with tarfile.open(path) as tf:
                 for m in tf:
@@ -64,8 +64,8 @@ def shard_samples() -> list[tuple[str, bytes, dict]]:
                     members.setdefault(key, {})[ext] = tf.extractfile(m).read()
             for key, mem in members.items():
                 out.append((key, mem["jpg"], json.loads(mem["json"])))
-        _SAMPLES = out
-    return _SAMPLES
+        _SAMPLES[str(shards)] = out
+    return _SAMPLES[str(shards)]
 
 
 def make_batch(method, ctx, samples, n: int, seed: int = 0) -> dict:

@@ -18,8 +18,8 @@ JPEGs with COCO-length captions, fig5_real's samples; `WORKERS` loader workers o
   forward) over the same JPEGs;
 - SAM: s/image of segment-anything `vit_b` (random init) through the `segments` stage's segmenter (`build_sam`,
   `SamAutomaticMaskGenerator`, 32 x 32 points) on 1024 x 768 images (fig5_real's function, on the device);
-- LISM: crops/s of `data.prepare.lism.match_images` (each image and its box crops embedded, the sentences
-  matched; on a GPU the crops of many images share batches).
+- LISM: crops/s of the `lism` stage's `Matcher` (images decoded and crops cut in DataLoader workers, each image and
+  its box crops embedded, the sentences matched; on a GPU the crops of a unit's images share batches).
 MEASURED: NOTHING YET on a GPU for these rows (this session had no CUDA machine): the step table's baseline is
 issue 32's H200 table. tests/scale/test_gpu_rows.py runs every row's code on the CPU at a tiny size (not timed).
 """
@@ -60,7 +60,10 @@ def gemm_tflops(n: int = GEMM_N, reps: int = 20) -> float:
     return 2 * n ** 3 / (statistics.median(cuda_ms(lambda: a @ b, reps)) / 1e3) / 1e12
 
 
-def method_step(name: str, model_dir, params: dict, log) -> dict:
+def method_step(name: str, model_dir, params: dict, log, *, device: str = "cuda:0", batch: int = BATCH,
+                precision: str = "bf16", warmup: int = WARMUP, steps: int = STEPS, samples=None) -> dict:
+    """One method's `Trainer.train_step` on a fixed batch of `batch` built from `samples` (default: the sample
+    shards), timed with CUDA events on a GPU (wall clock on the CPU), and its FLOPs (fig2's `count_flops`)."""
     import torch
 
     from clipfinetune.data.loader import ExampleContext
@@ -70,22 +73,35 @@ def method_step(name: str, model_dir, params: dict, log) -> dict:
 
     from .fig2_methods import FixedSource, count_flops, make_batch, method_config, shard_samples
 
-    device = torch.device("cuda:0")
+    device = torch.device(device)
     model = load_model("local-dir:" + str(model_dir), device=device)
     method = build_method(name, **method_config(name, params))
     ctx = ExampleContext.of_model(model)
-    cfg = TrainConfig(epochs=1, batch_size=BATCH, lr=1e-5, wd=0.1, grad_clip=1.0, precision="bf16")
+    cfg = TrainConfig(epochs=1, batch_size=batch, lr=1e-5, wd=0.1, grad_clip=1.0, precision=precision)
     trainer = Trainer(method, model, FixedSource(None), cfg, dist=DistInfo(device=device), desc=f"gpu-{name}")
-    batch = trainer._to_device(make_batch(method, ctx, shard_samples(), BATCH))
+    examples = trainer._to_device(make_batch(method, ctx, samples if samples is not None else shard_samples(), batch))
     trainer.module.train()
-    flops = count_flops(trainer, batch)
-    torch.cuda.reset_peak_memory_stats()
-    cuda_ms(lambda: trainer.train_step([batch]), WARMUP)
-    ms = statistics.median(cuda_ms(lambda: trainer.train_step([batch]), STEPS))
-    row = {"method": name, "ms_per_step": ms, "samples_per_s": BATCH / ms * 1e3,
-           "tflops": flops / (ms / 1e3) / 1e12, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
-    log(f"  gpu {name}: {ms:.1f} ms/step, {row['tflops']:.0f} TFLOP/s")
+    flops = count_flops(trainer, examples)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timer = (lambda fn, n: cuda_ms(fn, n)) if cuda else wall_ms
+    timer(lambda: trainer.train_step([examples]), warmup)
+    ms = statistics.median(timer(lambda: trainer.train_step([examples]), steps))
+    row = {"method": name, "ms_per_step": ms, "samples_per_s": batch / ms * 1e3,
+           "tflops": flops / (ms / 1e3) / 1e12, "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+           "device": str(device), "batch": batch, "precision": precision}
+    log(f"  gpu {name}: {ms:.1f} ms/step, {row['tflops']:.2f} TFLOP/s")
     return row                                  # the trainer is freed on return; main() empties the cache
+
+
+def wall_ms(fn, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def synchronize(device) -> None:
@@ -177,34 +193,41 @@ def sam_seconds(size: dict, device: str, log=print) -> dict:
     return out
 
 
-def lism_crops_per_s(model_dir, samples, size: dict, device: str, log=print) -> dict:
-    """`match_images` over (image, its captions, `lism_boxes` boxes each): candidates (image + crops) per second."""
-    import io
+def lism_crops_per_s(model_dir, samples, work, size: dict, device: str, log=print) -> dict:
+    """The `lism` stage's `Matcher` over `lism_images` JPEGs (files, as the stage reads them) with `lism_boxes` boxes
+    each and their captions as sentences: images decoded and crops cut in `workers` DataLoader workers, the
+    candidates of a unit's images in shared batches on a GPU (the stage's unit: 64 images on cuda, 4 on the CPU).
+    Candidates (image + crops) per second after a warm-up unit."""
     import random
 
-    from PIL import Image
-
-    from clipfinetune.data.prepare.lism import match_images
+    from clipfinetune.data.prepare.lism import Matcher
+    from clipfinetune.data.readers import Record
     from clipfinetune.models import load_model
 
     model = load_model("local-dir:" + str(model_dir), device=device).eval()
-    rng, jobs = random.Random(0), []
-    for _, jpg, record in samples[:size["lism_images"]]:
-        image = Image.open(io.BytesIO(jpg)).convert("RGB")
-        w, h = image.size
-        boxes = []
+    folder = work / "lism_images"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, records, texts, boxes = random.Random(0), [], {}, {}
+    for key, jpg, record in samples[:size["lism_images"] + 1]:
+        (folder / f"{key}.jpg").write_bytes(jpg)
+        records.append(Record("bench", key, f"{key}.jpg", folder, split="train"))
+        texts[key], boxes[key] = list(record["captions"]), []
         for _ in range(size["lism_boxes"]):
-            x, y = rng.uniform(0, w / 2), rng.uniform(0, h / 2)
-            boxes.append((x, y, x + rng.uniform(w / 8, w / 2), y + rng.uniform(h / 8, h / 2)))
-        jobs.append((image, record["captions"], boxes))
-    match_images(model, jobs[:1], size["batch"])                # warm-up
+            x, y = rng.uniform(0, 320), rng.uniform(0, 240)
+            boxes[key].append((x, y, x + rng.uniform(80, 320), y + rng.uniform(60, 240)))
+    unit = 64 if device.startswith("cuda") else 4
+    matcher = Matcher(model, texts, boxes, size["batch"], work / "lism_files", workers=size["workers"])
+    list(matcher([records[:1]]))                                  # warm-up (not counted below)
+    timed = records[1:]
+    matcher.counts = dict.fromkeys(matcher.counts, 0)
     t0 = time.perf_counter()
-    matches = match_images(model, jobs, size["batch"])
+    results = [r for part in matcher([timed[i:i + unit] for i in range(0, len(timed), unit)]) for r in part]
     synchronize(device)
     seconds = time.perf_counter() - t0
-    crops = sum(1 + len(boxes) for _, _, boxes in jobs)
+    crops = matcher.counts["candidates"]
     log(f"  gpu LISM: {crops / seconds:.0f} crops/s")
-    return {"crops_per_s": crops / seconds, "crops": crops, "images": len(jobs), "matched": len(matches)}
+    return {"crops_per_s": crops / seconds, "crops": crops, "images": len(timed),
+            "matched": sum("matches" in r for r in results), "workers": size["workers"]}
 
 
 def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=print) -> dict:
@@ -212,7 +235,7 @@ def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=pri
     from .fig5_real import real_samples, write_shards
 
     n = size["batch"] * (size["steps"] + 2)
-    samples = real_samples(max(n, size["eval_images"] + 1, size["lism_images"]))
+    samples = real_samples(max(n, size["eval_images"] + 1, size["lism_images"] + 1))
     shards = write_shards(samples[:n], work / "shards", n_shards=max(size["workers"], 1))
     images = work / "images"
     images.mkdir(parents=True, exist_ok=True)
@@ -224,7 +247,7 @@ def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=pri
             "loader": loader_vs_step(model_dir, shards, size, device, precision, log),
             "eval": eval_images_per_s(model_dir, paths, size, device, log),
             "sam": sam_seconds(size, device, log),
-            "lism": lism_crops_per_s(model_dir, samples, size, device, log)}
+            "lism": lism_crops_per_s(model_dir, samples, work, size, device, log)}
 
 
 def print_extra(extra: dict) -> None:

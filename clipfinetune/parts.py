@@ -5,7 +5,8 @@ The items of a stage (images, in a fixed order) are cut into WORK UNITS of a fix
 the same items and each item is computed by the same code, so the merged result cannot depend on it. Each unit's
 result is one part file, written atomically under `<cache_root>/<stage>/<fingerprint>/`, outside DVC's outputs
 (DVC deletes a stage's outs before running it): a killed run re-run with the same fingerprint skips the units
-whose parts exist (resume); rank 0 reads every part in unit order and writes the stage's outputs.
+whose parts exist (resume); rank 0 reads every part in unit order and writes the stage's outputs. A unit may also
+write files (`PartStore.files_dir`, before its part): rank 0 links them into the outputs.
 
 The FINGERPRINT (`fingerprint`) covers what determines the parts: the stage, the params it computes with, the unit
 size, the device type (a GPU computes other float bits) and its dvc.yaml deps: code and config files (.py, .json,
@@ -85,6 +86,12 @@ class PartStore:
 
     def path(self, unit: int) -> Path:
         return self.dir / f"unit-{unit:06d}.{'json' if self.codec == 'json' else 'pt'}"
+
+    @property
+    def files_dir(self) -> Path:
+        """Where units write files beside their parts (e.g. LISM's test images). A unit writes its files before its
+        part, so the files of every part that exists are whole; they go with the parts (`remove_stale`, `clear`)."""
+        return self.dir / "files"
 
     def has(self, unit: int) -> bool:
         return self.path(unit).is_file()

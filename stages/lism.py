@@ -7,9 +7,12 @@ sentence describes, LISM's accuracy against that ground truth; on real data (`li
 counts only. It never reads the instances files; the ground truth is read only to measure.
 
 The model runs on the device of `compute.device` (stages/_items.py; recorded in local_pairs.meta.json). The
-images (by id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units and writes one
-part file per unit under data/cache/lism/<fingerprint>/; rank 0 assembles them in image order and writes every
-output, so a sharded run writes exactly what one process writes, and a killed run resumes from its parts.
+images (by id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units (images decoded
+and crops cut in `lism.workers` DataLoader workers) and writes one part file per unit under
+data/cache/lism/<fingerprint>/, with the unit's test images' files of GOAL's test list (the original linked, the
+chosen crop as a PNG) beside it; rank 0 assembles them in image order, links the files into the test list's folder
+and writes every output, so a sharded run writes exactly what one process writes, and a killed run resumes from
+its parts.
 """
 from __future__ import annotations
 
@@ -20,15 +23,16 @@ import _items
 import pandas as pd
 from _common import source_specs, start_preparing
 
+from clipfinetune.data.benchmarks.global_local import place_files, write_test_list
 from clipfinetune.data.prepare.lism import (
+    Matcher,
     assemble_lism,
     lism_inputs,
-    lism_unit,
     measure_against_ground_truth,
     read_ground_truth,
+    texts_of,
 )
 from clipfinetune.data.readers import read_source
-from clipfinetune.eval.global_local import write_test_list
 from clipfinetune.io import atomic_path, write_json, write_parquet
 from clipfinetune.parts import work_units
 
@@ -57,17 +61,20 @@ def main() -> None:
     settings = {"source": name, "model": params["lism.model"], "pretrained": params["lism.pretrained"],
                 "sentences": params["lism.sentences"], "segments": params["lism.segments"], "batch_size": batch_size,
                 "unit_images": UNIT_IMAGES[dist.device.type]}
-    store = _items.part_store(params, settings, dist.device)
+    store = _items.part_store(params, settings, dist.device)      # workers change no result: not in the key
+    matcher = Matcher(model, texts_of(by_image), boxes_of, batch_size, store.files_dir, params["lism.workers"])
     results = _items.run_sharded(store, work_units(records, settings["unit_images"]), lambda r: r.image_id,
-                                 lambda unit: lism_unit(unit, by_image, boxes_of, model, batch_size), dist, log, "lism")
+                                 matcher, dist, log, "lism", stream=True)
+    log.info("lism: rank %d matched %d images (%d candidates) and wrote %d test images' items", dist.rank,
+             matcher.counts["images"], matcher.counts["candidates"], matcher.counts["test_items"])
     truth_path = params["lism.ground_truth"]
     params.check_all_read()
     if results is None:               # not rank 0: its parts are written
         _items.finish(dist)
         return
+    train_rows, tests, meta = assemble_lism(records, [r for unit in results for r in unit], by_image, boxes_of)
     with atomic_path(TEST_DIR, is_dir=True) as test_dir:
-        train_rows, tests, meta = assemble_lism(records, [r for unit in results for r in unit], by_image, boxes_of,
-                                                test_dir)
+        place_files(tests, store.files_dir, test_dir)        # links: the units wrote the files
         write_test_list(test_dir, tests)
     write_parquet(OUT, pd.DataFrame(train_rows))
     meta = {"model": params["lism.model"], "device": str(dist.device), **meta}

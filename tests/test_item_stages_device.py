@@ -86,7 +86,7 @@ def test_lism_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda
     _run(monkeypatch, "lism", "lism", {
         "sources": cuda_rank_1, "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"],
                                          "sentences": "sentences.parquet", "segments": "segments.parquet",
-                                         "ground_truth": "", "batch_size": 8}})
+                                         "ground_truth": "", "batch_size": 8, "workers": 0}})
     assert [str(d) for d in asked] == ["cuda:1"]
     assert json.loads(Path("data/prepared/local_pairs.meta.json").read_text())["device"] == "cuda:1"
 

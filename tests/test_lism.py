@@ -197,13 +197,19 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     params = StageParams("lism", {
         "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
         "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
-                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
+                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8,
+                 "workers": 1}})
     monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism@docci"])
     stage.main()
     metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]
     assert metrics == {"n_images": 1, "n_pairs": metrics["n_pairs"], "global_wins": 1 - metrics["n_pairs"]}
-    assert len(json.loads((tmp_path / "data/evalsets/global_local/test.json").read_text())) == 2
+    test_dir = tmp_path / "data/evalsets/global_local"
+    listed = json.loads((test_dir / "test.json").read_text())
+    assert [item["image_id"] for item in listed] == ["test_00000"] * 2
+    assert (test_dir / listed[0]["filename"]).read_bytes() == (tmp_path / "test_00000.jpg").read_bytes()
+    assert all((test_dir / item["filename"]).is_file() for item in listed)
+    assert not [p for p in (tmp_path / "data" / "cache").rglob("*") if p.is_file()]     # the parts' files went too
     meta = json.loads((tmp_path / "data/prepared/local_pairs.meta.json").read_text())
     assert (meta["n_train_images"], meta["n_test_images"]) == (1, 1)
     assert meta["other_splits"] == {"qual_dev": 1, "qual_test": 1} and not meta["skipped"]
@@ -240,25 +246,155 @@ def test_match_image_forwards_at_one_thread_whatever_the_callers_count(monkeypat
     assert results[1] == results[2]
 
 
-def test_shared_gpu_style_batches_match_the_per_image_path():
-    """The GPU path (crops and sentences of several images in shared batches) keeps every image's decisions; its
-    scores differ from the per-image path only in float rounding (here both run on the CPU)."""
+def _world(tmp_path, n: int = 5, test_every: int = 2):
+    """`n` DOCCI-like records on disk (every `test_every`-th a test image, one of another split), their sentences and
+    segment boxes (`lism_inputs`' shapes), and a tiny random matcher model."""
     from PIL import Image
 
-    from clipfinetune.data.prepare.lism import match_images
+    from clipfinetune.data.readers import Record
     from clipfinetune.models import load_model
 
     torch.manual_seed(0)
-    model = load_model("cft-tiny-vit").eval()
     rng = np.random.default_rng(1)
-    jobs = []
-    for k in range(3):
-        image = Image.fromarray(np.clip(_scene() + rng.integers(0, 40, (64, 80, 3)), 0, 255).astype(np.uint8))
-        boxes = [(10.0, 5.0, 30.0, 21.0), (50.0, 40.0, 60.0, 50.0), (0.0, 0.0, 40.0 + k, 64.0)][: k + 1]
-        jobs.append((image, [f"A red box {k}.", "A blue square.", "A grey wall."][: 3 - k], boxes))
-    one_by_one = match_images(model, jobs, batch_size=2, shared_batches=False)
-    shared = match_images(model, jobs, batch_size=2, shared_batches=True)
-    assert [len(m) for m in shared] == [3, 2, 1]
+    records, texts, boxes = [], {}, {}
+    for k in range(n):
+        image_id = f"img_{k:02d}"
+        path = tmp_path / "images" / f"{image_id}.jpg"
+        path.parent.mkdir(exist_ok=True)
+        Image.fromarray(np.clip(_scene() + rng.integers(0, 40, (64, 80, 3)), 0, 255).astype(np.uint8)).save(path)
+        split = "qual_test" if k == n - 1 else "test" if k % test_every == 0 else "train"
+        texts[image_id] = [f"A red box {k}.", "A blue square.", "A grey wall."][: 1 + k % 3]
+        boxes[image_id] = [(10.0, 5.0, 30.0, 21.0), (50.0, 40.0, 60.0, 50.0), (0.0, 0.0, 40.0 + k, 64.0)][: 1 + k % 3]
+        records.append(Record("docci", image_id, path.name, tmp_path / "images", split=split,
+                              long_caption=" ".join(texts[image_id])))
+    return records, texts, boxes, load_model("cft-tiny-vit").eval()
+
+
+def _files(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_shared_gpu_style_batches_match_the_per_image_path(tmp_path):
+    """The GPU path (crops and sentences of a unit's images in shared batches) keeps every image's decisions; its
+    scores differ from the per-image path only in float rounding (here both run on the CPU)."""
+    from clipfinetune.data.prepare.lism import Matcher
+
+    records, texts, boxes, model = _world(tmp_path)
+    (one_by_one,), (shared,) = (Matcher(model, texts, boxes, 2, tmp_path / f"files-{s}", shared_batches=s)([records])
+                                for s in (False, True))
+    assert [len(r.get("matches", [])) for r in shared] == [len(texts[r.image_id]) if r.split != "qual_test" else 0
+                                                            for r in records]
     for a, b in zip(one_by_one, shared):
-        assert [(m.sentence_index, m.candidate) for m in a] == [(m.sentence_index, m.candidate) for m in b]
-        assert [m.score for m in a] == pytest.approx([m.score for m in b], abs=1e-3)
+        assert [m[:2] for m in a.get("matches", [])] == [m[:2] for m in b.get("matches", [])]
+        assert [m[2] for m in a.get("matches", [])] == pytest.approx([m[2] for m in b.get("matches", [])], abs=1e-3)
+
+
+def test_units_give_the_same_results_and_test_files_at_any_rank_count_and_worker_count(tmp_path):
+    """LISM's units, test list included, do not depend on how they are dealt: one process matching every unit
+    (images decoded in this thread) and two ranks each matching its round-robin share (2 DataLoader workers, one
+    shared folder for the files, as the part store has) give the same per-image results and the same file bytes."""
+    from clipfinetune.data.prepare.lism import Matcher
+    from clipfinetune.parts import units_of_rank, work_units
+
+    records, texts, boxes, model = _world(tmp_path, n=7)
+    units = work_units(records, 2)
+    single = list(Matcher(model, texts, boxes, 2, tmp_path / "one", workers=0)(units))
+    by_rank = {}
+    for rank in range(2):
+        mine = units_of_rank(len(units), rank, 2)
+        by_rank.update(zip(mine, Matcher(model, texts, boxes, 2, tmp_path / "two", workers=2)([units[k] for k in mine])))
+    assert [by_rank[k] for k in range(len(units))] == single
+    tests_of_rank = [sum("test" in r for k in units_of_rank(len(units), rank, 2) for r in by_rank[k]) for rank in (0, 1)]
+    assert min(tests_of_rank) > 0                        # both ranks wrote test items: the tail is in the units
+    assert _files(tmp_path / "one") == _files(tmp_path / "two") and _files(tmp_path / "one")
+
+
+def test_a_test_image_is_its_original_file_linked_and_its_crop_a_png_of_the_chosen_box(tmp_path):
+    from PIL import Image
+
+    from clipfinetune.data.benchmarks.global_local import read_joint_list, write_test_list
+    from clipfinetune.data.prepare.lism import Matcher, choose_test_pair
+
+    records, texts, boxes, model = _world(tmp_path)
+    out = tmp_path / "files"
+    (results,) = Matcher(model, texts, boxes, 4, out)([records])
+    tests = [(rec, res) for rec, res in zip(records, results) if rec.split == "test"]
+    assert tests and all("test" in res for _, res in tests)
+    assert all("test" not in res for rec, res in zip(records, results) if rec.split != "test")
+    for rec, res in tests:
+        global_item, local_item = res["test"]
+        original = out / global_item["filename"]
+        assert original.read_bytes() == rec.path.read_bytes()               # never re-encoded
+        assert original.stat().st_ino == rec.path.stat().st_ino             # a hard link on one file system
+        assert global_item["caption"] == rec.long_caption
+        best = choose_test_pair([SentenceMatch(*m) for m in res["matches"]])
+        assert local_item["caption"] == texts[rec.image_id][best.sentence_index]
+        assert local_item["similarity_score"] == round(best.score, 4)
+        local = out / local_item["filename"]
+        if best.candidate:
+            box = tuple(round(v) for v in boxes[rec.image_id][best.candidate - 1])
+            expected = np.asarray(Image.open(rec.path).convert("RGB").crop(box))
+            assert local.suffix == ".png" and np.array_equal(np.asarray(Image.open(local)), expected)
+        else:
+            assert local.name == "original_image.jpg" and local.read_bytes() == rec.path.read_bytes()
+    write_test_list(out, [res["test"] for _, res in tests])
+    joint = read_joint_list(out / "test.json", None)
+    assert [(r.group, r.is_local) for r in joint] == [(rec.image_id, False) for rec, _ in tests] + \
+        [(rec.image_id, True) for rec, _ in tests]
+
+
+def test_the_global_image_winning_links_the_original_as_the_local_item(tmp_path):
+    from clipfinetune.data.benchmarks.global_local import item_names, write_items
+
+    records, *_ = _world(tmp_path, n=2)
+    rec = records[0]
+    g, local = write_items(rec, "A red box 0.", 0, None, 31.23456, tmp_path / "out")
+    assert (g["filename"], local["filename"]) == item_names(rec.image_id, rec.image, 0) == \
+        ("photos/img_00.jpg", "segments/img_00.jpg_results/original_image.jpg")
+    for item in (g, local):
+        assert (tmp_path / "out" / item["filename"]).read_bytes() == rec.path.read_bytes()
+    assert local["similarity_score"] == 31.2346
+
+
+def test_a_killed_rank_leaves_no_worker_or_writer_process_behind(tmp_path):
+    """SIGKILL of a rank mid-run (a lease's end, the OOM killer): its DataLoader workers and test-list writer
+    processes end by themselves instead of waiting for work forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "rank.py"
+    script.write_text(f"""
+import multiprocessing, sys, time
+from pathlib import Path
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+from test_lism import _world
+from clipfinetune.data.prepare.lism import Matcher
+records, texts, boxes, model = _world(Path({str(tmp_path)!r}), n=7)
+units = Matcher(model, texts, boxes, 2, Path({str(tmp_path / "files")!r}), workers=2)([records[i:i + 2] for i in range(0, 7, 2)])
+next(units)
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+time.sleep(300)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    children = [int(pid) for pid in proc.stdout.readline().split()]
+    assert len(children) >= 3                       # 2 DataLoader workers and at least one writer
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()     # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [pid for pid in children if alive(pid)]
+    for pid in left:                                # never leave them running, whatever the outcome
+        os.kill(pid, signal.SIGKILL)
+    assert not left

@@ -13,9 +13,6 @@ ties rank negatives first (`ranking.py`). Reported x100.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 from clipfinetune.data.benchmarks.global_local import JointRecord
@@ -66,33 +63,3 @@ def evaluate_global_local(encoder: Encoder, records: list[JointRecord], k: int =
         record(items, Items(f"i2t{suffix}", "ap", ids, i2t), Items(f"t2i{suffix}", "ap", [ids[j] for j in cols], t2i))
         out[f"i2t_map{k}{suffix}"], out[f"t2i_map{k}{suffix}"] = 100.0 * float(i2t.mean()), 100.0 * float(t2i.mean())
     return {**out, "n_records": len(records), "n_local": sum(r.is_local for r in records)}
-
-
-# ------------------------------------------------------------------------------------------ writing the test list
-def test_items(image, image_id: str, image_name: str, caption: str, sentence: str, crop_box, score: float,
-               test_dir: Path) -> tuple[dict, dict]:
-    """One image's two items of GOAL's joint test list (BENCHMARKS §7.1), with their files under `test_dir`:
-    the global image `photos/<stem>.jpg` with its long caption, and the local item, the crop `crop_box` (None:
-    the global image itself won, as in GOAL's shipped list) with its sentence. Paths relative to `test_dir`."""
-    stem = Path(image_name).stem
-    global_name = f"photos/{stem}.jpg"
-    (test_dir / "photos").mkdir(exist_ok=True)
-    image.save(test_dir / global_name, quality=95)
-    seg_dir = test_dir / "segments" / f"{stem}.jpg_results"
-    seg_dir.mkdir(parents=True, exist_ok=True)
-    if crop_box is not None:
-        candidate, box = crop_box
-        local_name = f"segments/{stem}.jpg_results/{stem}_max_{candidate}.png"
-        image.crop(tuple(round(v) for v in box)).save(test_dir / local_name)
-    else:
-        local_name = f"segments/{stem}.jpg_results/original_image.jpg"
-        image.save(test_dir / local_name, quality=95)
-    return ({"filename": global_name, "caption": caption, "image_id": image_id},
-            {"filename": local_name, "caption": sentence, "similarity_score": round(score, 4), "image_id": image_id})
-
-
-def write_test_list(test_dir: Path, items: list[tuple[dict, dict]]) -> None:
-    """GOAL's joint list `test.json`: every global item first, then one local item per image (what
-    `read_joint_list` reads back)."""
-    globals_, locals_ = zip(*items) if items else ((), ())
-    (Path(test_dir) / "test.json").write_text(json.dumps([*globals_, *locals_], indent=1))

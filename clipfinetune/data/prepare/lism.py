@@ -20,7 +20,7 @@ depends on how many threads split it, and a re-run under another thread count (`
 `torch.set_num_threads`, MKL's dynamic threading on a busy machine) would otherwise change low bits of the
 scores, which the parquet keeps. The cost: no intra-op parallelism in LISM's CPU forwards.
 
-On a GPU (`match_images` with the model on CUDA) the candidates and sentences of all the images of a work unit
+On a GPU (`Matcher` with the model on CUDA) the candidates and sentences of all the images of a work unit
 are encoded together, `batch_size` per forward, so the crops of many images share a forward. A GPU run
 guarantees the same matching rule and the same outputs' schema and ordering; its scores are the GPU's fp32
 float bits, which depend on the kernels cuBLAS/cuDNN pick for each batch shape, so they can differ from the CPU's
@@ -28,17 +28,25 @@ float bits, which depend on the kernels cuBLAS/cuDNN pick for each batch shape, 
 the same GPU, software and unit size computes the same batches; it is not promised bit for bit (the parts of an
 interrupted run are reused as they are).
 
-The stage's loop is split for ranks and resume (stages/lism.py, clipfinetune/parts.py): `lism_unit` matches the
-images of one work unit (a JSON-able result per image), and `assemble_lism` turns every image's result, in image
-order, into the stage's rows, test items and counts: the same whichever rank matched an image.
+The stage's loop is split for ranks and resume (stages/lism.py, clipfinetune/parts.py): `Matcher` matches the
+images of each work unit (a JSON-able result per image; images decoded and crops cut in DataLoader workers) and
+writes a test image's two items of GOAL's joint test list (`clipfinetune.data.benchmarks.global_local`: the original file linked,
+the chosen crop as a PNG) inside the unit, beside its part; `assemble_lism` turns every image's result, in image
+order, into the stage's rows, test items and counts: the same whichever rank matched an image, so rank 0's tail
+only links the units' files into the output.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
+
+from clipfinetune.data.benchmarks.global_local import write_items
 
 
 @dataclass
@@ -73,24 +81,6 @@ def model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-@torch.inference_mode()
-def embed_images(model, pil_images: list, batch_size: int) -> torch.Tensor:
-    out, device = [], model_device(model)
-    for i in range(0, len(pil_images), batch_size):
-        batch = torch.stack([model.transform(im) for im in pil_images[i:i + batch_size]])
-        out.append(model.encode_image(batch.to(device, non_blocking=True), normalize=True).float().cpu())
-    return torch.cat(out) if out else torch.empty(0)
-
-
-@torch.inference_mode()
-def embed_texts(model, texts: list[str], batch_size: int) -> torch.Tensor:
-    out, device = [], model_device(model)
-    for i in range(0, len(texts), batch_size):
-        tokens = model.tokenize(texts[i:i + batch_size]).to(device, non_blocking=True)
-        out.append(model.encode_text(tokens, normalize=True).float().cpu())
-    return torch.cat(out) if out else torch.empty(0)
-
-
 LISM_THREADS = 1   # see the module docstring: the forwards' float bits must not depend on the caller's threads
 
 
@@ -105,32 +95,61 @@ def fixed_threads(n: int = LISM_THREADS):
         torch.set_num_threads(before)
 
 
-def match_image(model, image, sentences: list[str], boxes: list[tuple], batch_size: int = 64):
-    """Candidates (global + crops with background) and per-sentence matches for one PIL image."""
+def candidate_pixels(image, boxes: list[tuple], transform) -> torch.Tensor:
+    """[1 + R, 3, H, W]: the whole image (candidate 0), then the crop of each segment box (with its background, as
+    GOAL's `keep_original_background` leaves it), each through the model's transform. The one place crops are cut."""
     crops = [image.crop(tuple(round(v) for v in box)) for box in boxes]
-    with fixed_threads():
-        candidate_emb = embed_images(model, [image, *crops], batch_size)
-        sentence_emb = embed_texts(model, sentences, batch_size)
-        return match_sentences(sentence_emb, candidate_emb)
+    return torch.stack([transform(im) for im in [image, *crops]])
 
 
-def match_images(model, jobs: list[tuple], batch_size: int = 64,
-                 shared_batches: bool | None = None) -> list[list[SentenceMatch]]:
-    """`match_image` for each (PIL image, sentences, boxes) of `jobs`. By default on the CPU one image at a time
-    (the byte-identical path), on a GPU every candidate and sentence of `jobs` in shared batches (module
-    docstring); `shared_batches` forces either."""
-    if shared_batches is None:
-        shared_batches = model_device(model).type != "cpu"
-    if not shared_batches:
-        return [match_image(model, image, texts, boxes, batch_size) for image, texts, boxes in jobs]
-    candidates = [[image, *(image.crop(tuple(round(v) for v in box)) for box in boxes)] for image, _, boxes in jobs]
-    candidate_emb = embed_images(model, [c for cs in candidates for c in cs], batch_size)
-    sentence_emb = embed_texts(model, [t for _, texts, _ in jobs for t in texts], batch_size)
-    out, ci, si = [], 0, 0
-    for cs, (_, texts, _) in zip(candidates, jobs):
-        out.append(match_sentences(sentence_emb[si:si + len(texts)], candidate_emb[ci:ci + len(cs)]))
-        ci, si = ci + len(cs), si + len(texts)
-    return out
+class _Embedder:
+    """Candidate rows forwarded `batch_size` at a time in the order they arrive; `flush()` forwards the rest and
+    returns every row's embedding since the last flush: the batches of cutting the concatenation of the rows into
+    `batch_size` pieces, however the rows arrived."""
+
+    def __init__(self, model, batch_size: int):
+        self.model, self.batch_size, self.device = model, batch_size, model_device(model)
+        self.pending: list[torch.Tensor] = []
+        self.done: list[torch.Tensor] = []
+
+    def add(self, rows: torch.Tensor) -> None:
+        self.pending.append(rows)
+        while sum(len(r) for r in self.pending) >= self.batch_size:
+            rows = torch.cat(self.pending)
+            self._forward(rows[:self.batch_size])
+            self.pending = [rows[self.batch_size:]]
+
+    def flush(self) -> torch.Tensor:
+        rest = [r for r in self.pending if len(r)]
+        if rest:
+            self._forward(torch.cat(rest))
+        out = torch.cat(self.done) if self.done else torch.empty(0)
+        self.pending, self.done = [], []
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, batch: torch.Tensor) -> None:
+        with fixed_threads() if self.device.type == "cpu" else contextlib.nullcontext():
+            emb = self.model.encode_image(batch.to(self.device, non_blocking=True), normalize=True)
+        self.done.append(emb.float().cpu())
+
+
+@torch.inference_mode()
+def embed_texts(model, texts: list[str], batch_size: int) -> torch.Tensor:
+    out, device = [], model_device(model)
+    with fixed_threads() if device.type == "cpu" else contextlib.nullcontext():
+        for i in range(0, len(texts), batch_size):
+            tokens = model.tokenize(texts[i:i + batch_size]).to(device, non_blocking=True)
+            out.append(model.encode_text(tokens, normalize=True).float().cpu())
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def match_image(model, image, sentences: list[str], boxes: list[tuple], batch_size: int = 64):
+    """Candidates (global + crops with background) and per-sentence matches for one PIL image, in this thread (the
+    stage's `Matcher` computes the same for each image of its units, decoding in DataLoader workers)."""
+    embedder = _Embedder(model, batch_size)
+    embedder.add(candidate_pixels(image, boxes, model.transform))
+    return match_sentences(embed_texts(model, sentences, batch_size), embedder.flush())
 
 
 def box_iou(a, b) -> float:
@@ -170,31 +189,145 @@ def _split(record) -> str:
     return record.split or TRAIN_SPLIT       # a format without splits is training data
 
 
-def lism_unit(records, by_image: dict, boxes_of: dict, model, batch_size: int) -> list[dict]:
-    """Match every train/test image of `records` (one work unit) -> one JSON-able result per record: {"split"}
-    for another split, {"skip", "file"?} when it has no sentences or cannot be read, else {"size": [w, h],
-    "matches": [[sentence position, candidate, score], ...]}. `by_image`/`boxes_of`: `lism_inputs`."""
-    from clipfinetune.io import InputError
+class _Candidates(Dataset):
+    """What matching needs of each record of the units, in order, prepared in a DataLoader worker: {"split"} for
+    another split, {"skip", "file"?} when it has no sentences or cannot be read, else {"size": [w, h], "pixels":
+    `candidate_pixels`} (the image decoded, its crops cut and transformed off the main thread)."""
 
-    results, jobs, slots = [], [], []
-    for record in records:
-        image_id, split = record.image_id, _split(record)
+    def __init__(self, records: list, with_sentences: set, boxes_of: dict, transform):
+        self.records, self.with_sentences, self.boxes_of, self.transform = records, with_sentences, boxes_of, transform
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        from clipfinetune.io import InputError
+
+        record = self.records[i]
+        split = _split(record)
         if split not in (TRAIN_SPLIT, TEST_SPLIT):
-            results.append({"split": split})
-        elif image_id not in by_image:
-            results.append({"skip": "no sentences"})
-        else:
-            try:
-                image = record.read_image()
-            except InputError as e:
-                results.append({"skip": str(e), "file": str(record.path)})
+            return {"split": split}
+        if record.image_id not in self.with_sentences:
+            return {"skip": "no sentences"}
+        try:
+            image = record.read_image()
+        except InputError as e:
+            return {"skip": str(e), "file": str(record.path)}
+        return {"size": [image.width, image.height],
+                "pixels": candidate_pixels(image, self.boxes_of.get(record.image_id, []), self.transform)}
+
+
+class Matcher:
+    """LISM over work units, for `parts.compute_parts(stream=True)`: `matcher(units)` yields, per unit, one JSON-able
+    result per record: {"split"} / {"skip", "file"?} (as `_Candidates`), else {"size", "matches": [[sentence
+    position, candidate, score], ...]}, and for a test-split image also "test": its two items of GOAL's joint test
+    list (`global_local.write_items`), whose files are written under `files_dir` before the result is yielded (so a
+    part's files exist). The items depend on the image alone, never on the rank or the unit that computed it.
+
+    Images are decoded and their crops cut in `workers` DataLoader workers, and the test items' files (the original
+    linked, the chosen crop decoded again, cut and encoded as a PNG) written by as many worker processes while the
+    next images are matched, so the rank's own process only runs the forwards; `workers` 0 does both in this
+    thread. On the CPU each image is
+    encoded on its own (byte-identical scores, module docstring); on a GPU (`shared_batches`, by default when the
+    model is on one) the candidates and sentences of a unit share batches. `texts_of` / `boxes_of`: {image_id: its
+    sentences / its segment boxes} (`lism_inputs`)."""
+
+    def __init__(self, model, texts_of: dict, boxes_of: dict, batch_size: int, files_dir, workers: int = 0,
+                 shared_batches: bool | None = None):
+        self.model, self.texts_of, self.boxes_of, self.batch_size = model, texts_of, boxes_of, batch_size
+        self.files_dir, self.workers = files_dir, workers
+        self.shared = model_device(model).type != "cpu" if shared_batches is None else shared_batches
+        self.counts = {"images": 0, "candidates": 0, "test_items": 0}
+
+    def __call__(self, units: list) -> Iterator[list[dict]]:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        records = [r for unit in units for r in unit]
+        loader = DataLoader(_Candidates(records, set(self.texts_of), self.boxes_of, self.model.transform),
+                            batch_size=None, num_workers=self.workers,
+                            pin_memory=model_device(self.model).type == "cuda")
+        prepared = iter(loader)
+        # forked as the DataLoader forks its workers (they never touch CUDA), and gone with the rank as they are
+        writers = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"), initializer=_exit_with_parent,
+                                      initargs=(os.getpid(),)) if self.workers else \
+            contextlib.nullcontext(_InThisThread())
+        with writers as pool:
+            for unit in units:
+                yield self._unit(unit, prepared, pool)
+
+    def _unit(self, unit: list, prepared: Iterator[dict], writers) -> list[dict]:
+        results, matched, writing = [], [], []
+        embedder = _Embedder(self.model, self.batch_size)
+
+        def matches_known(record, item, matches: list[SentenceMatch]) -> None:
+            if _split(record) == TEST_SPLIT:        # its list items are written while the next images are matched
+                writing.append((item, writers.submit(write_items, record, *self._test_pair(record, matches),
+                                                     self.files_dir)))
+            item["matches"] = [[m.sentence_index, m.candidate, m.score] for m in matches]
+
+        for record in unit:
+            item = next(prepared)           # streamed: a unit's decoded images are never all held at once
+            pixels = item.pop("pixels", None)
+            results.append(item)
+            if pixels is None:
                 continue
-            results.append({"size": [image.width, image.height]})
-            jobs.append((image, by_image[image_id]["text"].tolist(), boxes_of.get(image_id, [])))
-            slots.append(len(results) - 1)
-    for slot, matches in zip(slots, match_images(model, jobs, batch_size)):
-        results[slot]["matches"] = [[m.sentence_index, m.candidate, m.score] for m in matches]
-    return results
+            embedder.add(pixels)
+            self.counts["images"] += 1
+            self.counts["candidates"] += len(pixels)
+            matched.append((record, item, len(pixels)))
+            if not self.shared:                 # one image at a time: its own batches
+                texts = self.texts_of[record.image_id]
+                matches_known(record, item, match_sentences(embed_texts(self.model, texts, self.batch_size),
+                                                            embedder.flush()))
+        if self.shared and matched:             # the unit's candidates and sentences in shared batches
+            candidate_emb = embedder.flush()
+            sentence_emb = embed_texts(self.model, [t for r, _, _ in matched for t in self.texts_of[r.image_id]],
+                                       self.batch_size)
+            ci = si = 0
+            for record, item, n in matched:
+                k = len(self.texts_of[record.image_id])
+                matches_known(record, item, match_sentences(sentence_emb[si:si + k], candidate_emb[ci:ci + n]))
+                ci, si = ci + n, si + k
+        for item, written in writing:           # the part is written after its files
+            item["test"] = list(written.result())
+        self.counts["test_items"] += len(writing)
+        return results
+
+    def _test_pair(self, record, matches: list[SentenceMatch]) -> tuple:
+        """(sentence, candidate, box, score) of GOAL's joint test list for this image: its single best (sentence,
+        candidate) pair, the global image included (`choose_test_pair`)."""
+        best = choose_test_pair(matches)
+        box = self.boxes_of[record.image_id][best.candidate - 1] if best.candidate else None
+        return self.texts_of[record.image_id][best.sentence_index], best.candidate, box, best.score
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """In a writer process: end it when the rank that started it is gone (a killed rank leaves no writers behind;
+    a pool's idle worker would otherwise wait for work forever), as DataLoader's workers watch theirs."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class _InThisThread:
+    """An executor that runs each job when it is submitted (`workers` 0: everything in the rank's own thread)."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001  (raised where the result is read, as a pool's future does)
+            future.set_exception(e)
+        return future
 
 
 def lism_inputs(sentences, segments) -> tuple[dict, dict]:
@@ -205,11 +338,14 @@ def lism_inputs(sentences, segments) -> tuple[dict, dict]:
     return by_image, boxes_of
 
 
-def assemble_lism(records, results: list[dict], by_image: dict, boxes_of: dict, test_dir) -> tuple[list, list, dict]:
-    """Every record's `lism_unit` result (records sorted by image id, results in the same order) -> (train rows,
-    test items written under `test_dir` (`eval.global_local.test_items`), meta)."""
-    from clipfinetune.eval.global_local import test_items
+def texts_of(by_image: dict) -> dict:
+    """{image_id: its sentences' texts in order} (what `Matcher` matches)."""
+    return {k: g["text"].tolist() for k, g in by_image.items()}
 
+
+def assemble_lism(records, results: list[dict], by_image: dict, boxes_of: dict) -> tuple[list, list, dict]:
+    """Every record's `Matcher` result (records sorted by image id, results in the same order) -> (train rows, the
+    test list's items in image order (their files written by the units), meta)."""
     train_rows, tests, skipped, other_splits = [], [], [], {}
     for record, res in zip(records, results, strict=True):
         image_id, split = record.image_id, _split(record)
@@ -220,16 +356,13 @@ def assemble_lism(records, results: list[dict], by_image: dict, boxes_of: dict, 
             skipped.append({"image_id": image_id, **({"file": res["file"]} if "file" in res else {}),
                             "reason": res["skip"]})
             continue
+        if split == TEST_SPLIT:
+            tests.append(tuple(res["test"]))
+            continue
         texts = by_image[image_id]["text"].tolist()
         idx = by_image[image_id]["sentence_index"].tolist()
         boxes = boxes_of.get(image_id, [])
         matches = [SentenceMatch(i, c, score) for i, c, score in res["matches"]]
-        if split == TEST_SPLIT:
-            best = choose_test_pair(matches)
-            crop = (best.candidate, boxes[best.candidate - 1]) if best.candidate else None
-            tests.append(test_items(record.read_image(), image_id, record.image, record.long_caption,
-                                    texts[best.sentence_index], crop, best.score, test_dir))
-            continue
         full = (0.0, 0.0, float(res["size"][0]), float(res["size"][1]))
         chosen = choose_training_pair(matches)
         for m in matches:
