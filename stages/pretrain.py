@@ -112,7 +112,8 @@ def main() -> None:
         if dist.is_main:
             export_model(model, out)
             write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size,
-                                                  "global_batch": global_batch, "rank_batch": rank_batch})
+                                                  "global_batch": global_batch, "rank_batch": rank_batch,
+                                                  "precision": cfg.precision})
             log.info("exported %s", out)
             if not settings["keep_checkpoint"]:
                 remove_checkpoints(ROOT / "checkpoints" / "pretrain")

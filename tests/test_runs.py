@@ -113,7 +113,7 @@ def test_params_yaml_loss_group_is_designs_keys_each_one_methods_constructor_arg
 
 def test_every_committed_run_resolves_and_builds_its_method():
     runs = resolve_runs(_committed_params())
-    for name, run in runs.items():
+    for run in runs.values():
         get_method(run["method"])(**run["config"])                # every key is a constructor argument
     loss = _committed_params()["loss"]
     assert runs["fsc_lhn_only"]["config"] == {"lambda_g": 0.0, "lambda_l": loss["lambda_l"],
