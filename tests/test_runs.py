@@ -121,6 +121,22 @@ def test_every_committed_run_resolves_and_builds_its_method():
                                               "label_smoothing": loss["label_smoothing"]}
 
 
+@pytest.mark.parametrize("recipe", ["harmoclip", "fsc_clip", "goal", "degla", "mulclip"])
+def test_every_recipes_runs_resolve_over_the_real_base_and_build_their_methods(recipe):
+    """A recipe's weights (its `loss` keys) reach each of its runs; a run states only what it changes."""
+    from clipfinetune import profile
+
+    params = profile.merged([ROOT / "params.yaml", ROOT / "params.real.yaml", ROOT / "recipes" / f"{recipe}.yaml"])
+    own = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())
+    runs = resolve_runs(params)
+    assert {run["method"] for run in runs.values()} == {recipe}
+    for name, run in runs.items():
+        get_method(run["method"])(**run["config"])
+        stated = {k: v for k, v in own["runs"][name].items() if k != "method"}
+        expected = {**own["loss"], **stated}              # the recipe's weights, what the run changes on top
+        assert {k: run["config"].get(k) for k in expected} == expected, name
+
+
 def test_dvc_set_param_of_a_loss_key_or_of_one_runs_weight(tmp_path):
     """`dvc exp run -S` rewrites params.yaml with these overrides (DVC's own function): `loss.lambda_l` moves
     FSC-CLIP's runs that do not set lambda_l; `+runs.fsc_clip.lambda_l` (hydra's `+` adds a key the run does not
