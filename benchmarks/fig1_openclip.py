@@ -53,34 +53,28 @@ def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_step
     from clipfinetune.methods import build_method
     from clipfinetune.models import load_model
     from clipfinetune.train import DistInfo, TrainConfig, Trainer
-    from clipfinetune.train import loop as loop_mod
     from clipfinetune.train.checkpoint import seed_everything
 
     steps = []
 
-    class Recorder:
-        def __init__(self, *a, **k):
-            pass
-
+    class Recorder:                                 # the monitor fit() logs to: each step's samples/s
         def log(self, step, scalars):
             steps.append(scalars["samples_per_s"])
 
-        def close(self):
-            pass
-
-    loop_mod.Monitor = Recorder
+    # log_every=1: each step's own samples/s, read every step as open_clip_train's --log-every-n-steps 1 does
     cfg = TrainConfig(epochs=1, batch_size=batch_size, lr=2e-4, warmup=20, wd=0.1, beta1=0.9, beta2=0.98, eps=1e-6,
-                      grad_clip=1.0, workers=workers, seed=0, precision=precision)
+                      grad_clip=1.0, workers=workers, seed=0, precision=precision, log_every=1)
     seed_everything(0)
     model = load_model("local-dir:" + model_dir, device=device)
     method = build_method("clip")
     ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
     loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
     trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=torch.device(device)))
-    if max_steps:                                   # the loop runs steps_per_epoch steps of its one epoch
-        trainer.steps_per_epoch = trainer.total_steps = min(trainer.total_steps, max_steps)
+    if max_steps:                                   # the loop runs epoch_steps[0] steps of its one epoch
+        trainer.total_steps = min(trainer.total_steps, max_steps)
+        trainer.epoch_steps = [trainer.total_steps]
     t0 = time.perf_counter()
-    trainer.fit()
+    trainer.fit(Recorder())
     print(json.dumps({"samples_per_s": steps, "wall_s": time.perf_counter() - t0, "steps": len(steps)}))
 
 
@@ -201,13 +195,12 @@ def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6, samp
 
 # ------------------------------------------------------------------------------------------ the figure
 def figure(model_dir, *, batch_size: int = 64, workers: int = 2, pairs: int = 3, log=print) -> list[Row]:
-    from clipfinetune.data.loader import count_wanted
+    from clipfinetune.data.loader import epoch_coverage
     from clipfinetune.methods import build_method
 
-    _, wanted, _ = count_wanted(train_shards(), build_method("clip"))
-    batches = -(-sum(wanted) // batch_size)
-    batches = -(-batches // workers) * workers
-    n_samples = batches * batch_size                  # open_clip: the same number of steps as our epoch
+    ours = epoch_coverage(SHARDS, "train", build_method("clip"), global_batch=batch_size, world_size=1,
+                          num_workers=workers)
+    n_samples = ours["steps_per_epoch"] * batch_size   # open_clip: the same number of steps as our epoch
     ours_runs, oc_runs = [], []
     for i in range(pairs):
         a = run_ours(model_dir, batch_size, workers)
