@@ -53,7 +53,7 @@ from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
 
-from .common import run_regime
+from .common import method_run
 
 THRESHOLDS = {"zeroshot.shape.acc1": 90, "zeroshot.sample.acc1": 60, "box_cls.sample.top1": 70,
               "retrieval.sample.i2t_r1": 30, "compositionality.sugarcrepe.sample.replace_obj": 75}
@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.root)
     sample = root / "data" / "sample"
     params = yaml.safe_load((root / "params.yaml").read_text())
-    train, _ = run_regime(params["train"], "clip")
+    clip_run = method_run(params, "clip")
+    train = dict(clip_run["train"])
     train.update(epochs=args.epochs or train["epochs"], lr=args.lr or train["lr"])
     t0 = time.perf_counter()
     device = torch.device(args.device)
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["base"] = {**evaluate(base, root, benchmarks, 128), **diagnostics(base, root, train_files, train_scenes, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
-        with training_session(train, params["model"]["precision"], args.device) as session:   # train@'s wiring
+        with training_session(train, clip_run["precision"], args.device) as session:   # train@'s wiring
             cfg = session.cfg
             model = load_model(f"local-dir:{root / args.base}", device=device)
             source = ProbeSource(images, normalize, captions, pairs if variant != "clip" else [[] for _ in records],

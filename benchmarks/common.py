@@ -81,17 +81,15 @@ def load_params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-def run_regime(train: dict, method: str, extra_keys=frozenset()) -> tuple[dict, dict]:
-    """A run's training settings from params.yaml's whole `train` mapping: the shared keys (less the train stage's
-    own `keep_checkpoint`) merged with `train.<method>`, what `train@<run>` trains with (stages/train.py's
-    `run_settings` merges its own view the same way). Returns `merge_train_settings`' (settings, the method's
-    `extra_keys`). Every other group must be a method's: a stray one raises instead of being skipped."""
-    from clipfinetune.methods import METHODS
-    from clipfinetune.train import merge_train_settings
+def method_run(params: dict, method: str) -> dict:
+    """The effective settings (clipfinetune/runs.py `resolve_runs`: method, config, train, precision) of params.yaml's
+    run named `method`, else its first run of that method: what train@<that run> trains with."""
+    from clipfinetune.runs import resolve_runs
 
-    groups = {k for k, v in train.items() if isinstance(v, dict)}
-    stray = sorted(groups - set(METHODS))
-    if stray:
-        raise ValueError(f"params.yaml train: groups {stray} are no method's (methods: {list(METHODS)})")
-    shared = {k: v for k, v in train.items() if k != "keep_checkpoint" and k not in groups}
-    return merge_train_settings(shared, train.get(method), extra_keys, where=f"train.{method}")
+    runs = resolve_runs(params)
+    if runs.get(method, {}).get("method") == method:
+        return runs[method]
+    found = [run for run in runs.values() if run["method"] == method]
+    if not found:
+        raise ValueError(f"params.yaml runs: no run of method {method!r} (runs: {sorted(runs)})")
+    return found[0]

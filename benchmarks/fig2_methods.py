@@ -17,7 +17,6 @@ FLOP rate than the plain step (bigger matmuls).
 """
 from __future__ import annotations
 
-import inspect
 import io
 import random
 import tarfile
@@ -87,12 +86,10 @@ def make_batch(method, ctx, samples, n: int, seed: int = 0) -> dict:
 
 
 def method_config(name: str, params: dict) -> dict:
-    from clipfinetune.methods import get_method
+    """The constructor kwargs of the method's own run (params `runs`, resolved: its weights from `loss`)."""
+    from .common import method_run
 
-    cls = get_method(name)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    pool = {**params["runs"][name], **(params["train"].get(name) or {})}     # the method's own run (params `runs`)
-    return {k: v for k, v in pool.items() if k in accepted}
+    return method_run(params, name)["config"]
 
 
 def setup(name: str, model_dir, params: dict, batch_size: int = BATCH):

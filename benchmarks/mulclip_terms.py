@@ -1,9 +1,10 @@
 """`python -m benchmarks.mulclip_terms`: what MulCLIP's local terms do to the backbone during its run (issue 35).
 
 A probe, not a stage: it reads a workspace's `params.yaml`, `data/shards/` and `models/base/` (run `dvc repro
-shards pretrain` first) and trains a MulCLIP run exactly as `train@<run>` does (the run's kwargs from `runs.<run>`
-and `train.<method>`, the run's regime, the same ShardLoader, Trainer, schedule and gradient clip). Before every
-optimiser step it also back-propagates each term group on its own, through the same forward:
+shards pretrain` first) and trains a MulCLIP run exactly as `train@<run>` does (the run's settings from
+clipfinetune/runs.py `resolve_runs`: its weights, kwargs and regime; the same ShardLoader, Trainer, schedule and
+gradient clip). Before every optimiser step it also back-propagates each term group on its own, through the same
+forward:
 
 - `global`: L_global (image vs long caption + lambda_short x image vs summary, eq. 3);
 - `word`:   lambda_W x L_Word (word-patch reconstruction, eqs. 5-8);
@@ -24,8 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-
-from .common import run_regime
 
 GROUPS = {"global": ("contrastive", "contrastive_short"), "word": ("word_patch",), "sub": ("subcaption_patch",)}
 
@@ -88,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.methods import get_method
     from clipfinetune.models import load_model
+    from clipfinetune.runs import resolve_runs
     from clipfinetune.train.session import training_session
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,13 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     root = Path(args.root)
     params = yaml.safe_load((root / "params.yaml").read_text())
-    run = dict(params["runs"][args.run])
-    method_name = run.pop("method")
-    method_cls = get_method(method_name)
-    settings, extras = run_regime(params["train"], method_name, method_cls.train_keys)
-    with training_session(settings, params["model"]["precision"], "cpu") as session:    # train@'s wiring
+    run = resolve_runs(params)[args.run]                 # what train@<run> trains with (data/runs/<run>.json)
+    with training_session(run["train"], run["precision"], "cpu") as session:    # train@'s wiring
         cfg = session.cfg
-        method = method_cls(**run, **extras)
+        method = get_method(run["method"])(**run["config"])
         model = load_model(f"local-dir:{root / 'models' / 'base'}", device=session.dist.device)
         ctx = ExampleContext.of_model(model)
         loader = ShardLoader(root / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
@@ -126,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         trainer.compute_gradients = probed
         trainer.fit()
-    result = {"run": args.run, "kwargs": {**run, **extras}, "regime": settings, "steps": len(records),
+    result = {"run": args.run, "kwargs": run["config"], "regime": run["train"], "steps": len(records),
               "summary": summarise(records), "records": records}
     print(json.dumps(result["summary"], indent=1), flush=True)
     if args.out:

@@ -71,6 +71,7 @@ def main() -> None:
     metrics = evaluate_model(model, benchmarks, batch_size, text_model, items=items, encoders=encoders, **suite_args)
     metrics["meta"]["model"] = args.model
     metrics["meta"]["device"] = str(dist.device)
+    metrics["meta"]["precision"] = "fp32"          # evaluation never autocasts (model.precision is training's)
     table = to_frame(items)
     metrics_file = Path("metrics") / f"{args.model}.json"
     write_json(metrics_file, metrics)

@@ -77,7 +77,7 @@ def main() -> None:
         place_files(tests, store.files_dir, test_dir)        # links: the units wrote the files
         write_test_list(test_dir, tests)
     write_parquet(OUT, pd.DataFrame(train_rows))
-    meta = {"model": params["lism.model"], "device": str(dist.device), **meta}
+    meta = {"model": params["lism.model"], "device": str(dist.device), "precision": "fp32", **meta}   # no autocast
     write_json(OUT.with_name("local_pairs.meta.json"), meta)
     if truth_path and Path(truth_path).exists():
         rows = [{**r, "box": (r["x0"], r["y0"], r["x1"], r["y1"])} for r in train_rows]

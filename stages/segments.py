@@ -79,6 +79,7 @@ def main() -> None:
     write_parquet(OUT, part)
     write_json(OUT.with_name("segments.meta.json"), {
         "segmenter": segmenter, "device": device, "n_images": len(items), "n_segments": len(part),
+        **({"precision": "fp32"} if checkpoint else {}),          # SAM without autocast; scikit-image: no model
         "images_without_segments": len(items) - len(skipped) - part["image_id"].nunique(),
         "skipped": skipped, "min_area": min_area, "max_area": max_area})
     store.clear()

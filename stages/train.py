@@ -3,19 +3,21 @@
     python stages/train.py --run <run> --method <method> [--stage train@<run>]
     torchrun --nproc_per_node N -- stages/train.py --run <run> --method <method>      # multi-GPU / multi-node
 
-Params (only those dvc.yaml declares for the run): the shared `train.*` defaults, overridden key by key by the
-method's group `train.<method>.*` (unknown keys are an error; a method may allow extra keys, e.g. MulCLIP's
-`new_module_lr`, which go to the method); `model.precision`; and the run's own group `runs.<run>`, declared whole:
-its `method` and the method's constructor arguments (loss weights, `terms`, `unlocked_vision_layers`, ...).
+Settings: data/runs/<run>.json, written by stage `run_settings` (clipfinetune/runs.py `resolve_runs`): the run's
+method, its constructor kwargs (its weights from params `loss`, what the run changes, its `train.<method>` extras),
+the training settings (`train.*` merged with `train.<method>.*`) and `model.precision`. A `foreach` cannot declare
+one run's `loss.*` keys; depending on that one file re-trains exactly the runs whose effective settings change.
+Declared params: the stage's own `train.keep_checkpoint` and the device/ranks (`compute.*`).
 `train.batch_size` is the GLOBAL batch (the papers' number): each of the N ranks takes 1/N of it, so steps per epoch
 and the schedule do not depend on the number of ranks. `train.epoch_unit` (image | method) sets what an epoch
 iterates (`data/loader.py`): one example per image, or the method's own unit (captions, word-region pairs), as the
-papers count epochs.
+papers count epochs. `model.precision: auto` trains in bf16 where the device has it natively, fp32 otherwise; the
+precision it ran in is recorded in dvclive/train/<run>/data.json.
 
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it; removed once the model is
-exported unless `train.keep_checkpoint`) carries a fingerprint of
-the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
-unchanged resumes; after `dvc exp run -S ...` or a code change the run starts from scratch.
+exported unless `train.keep_checkpoint`) carries a fingerprint of the run's settings, the stage's deps (code,
+models/base, data/shards, data/runs/<run>.json) and the world size: a killed run re-run unchanged resumes; after
+`dvc exp run -S ...` or a code change the run starts from scratch.
 """
 from __future__ import annotations
 
@@ -23,24 +25,19 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 from _common import ROOT, stage_inputs, start
 
 
-def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]:
-    """(training settings: shared train.* merged with train.<method>.*, the method's constructor kwargs)."""
-    from clipfinetune.train import merge_train_settings
+def run_settings(run: str, method: str) -> dict:
+    """data/runs/<run>.json (stage run_settings): {method, config, train, precision}."""
+    import json
 
-    train = dict(params["train"])
-    train.pop("keep_checkpoint")                         # the stage's, not the optimiser's
-    override = train.pop(method, {})
-    groups = [k for k, v in train.items() if isinstance(v, dict)]
-    if groups:
-        raise ValueError(f"{params.stage}: unexpected training groups {groups} (the run's method is {method!r})")
-    settings, extras = merge_train_settings(train, override, method_cls.train_keys, f"train.{method}")
-    config = dict(params[f"runs.{run}"])
-    if config.pop("method") != method:
-        raise ValueError(f"{params.stage}: runs.{run}.method is not {method!r}")
-    clash = set(config) & set(extras)
-    if clash:
-        raise ValueError(f"{params.stage}: {sorted(clash)} set in both runs.{run} and train.{method}")
-    return settings, {**config, **extras}
+    path = ROOT / "data" / "runs" / f"{run}.json"
+    if not path.is_file():
+        raise SystemExit(f"{path.relative_to(ROOT)} does not exist: run `dvc repro run_settings` (run {run!r} must be "
+                         f"an entry of params `runs`)")
+    settings = json.loads(path.read_text())
+    if settings["method"] != method:
+        raise SystemExit(f"{path.relative_to(ROOT)}: method {settings['method']!r}, not {method!r}: run `dvc repro "
+                         f"run_settings`")
+    return settings
 
 
 def add_arguments(parser) -> None:
@@ -58,11 +55,11 @@ def main() -> None:
     from clipfinetune.train.session import training_session
 
     method_cls = get_method(args.method)                 # fails early: "method X not implemented yet"
-    settings, config = run_settings(params, args.run, args.method, method_cls)
-    precision = params["model.precision"]
+    resolved = run_settings(args.run, args.method)
+    settings, config = resolved["train"], resolved["config"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    with training_session(settings, precision, params["compute.device"], log=log) as session:
+    with training_session(settings, resolved["precision"], params["compute.device"], log=log) as session:
         cfg = session.cfg
         method = method_cls(**config)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=session.dist.device)
@@ -72,8 +69,7 @@ def main() -> None:
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
                              epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps,
                              rank=session.dist.rank, world_size=session.dist.world_size)
-        fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
-                                        "precision": precision, "config": config},
+        fp = fingerprint(params.stage, {"run": args.run, **resolved, "precision": cfg.precision},
                          stage_inputs(params.stage), session.dist.world_size)
         live_dir, checkpoint_dir = ROOT / "dvclive" / "train" / args.run, ROOT / "checkpoints" / args.run
         trainer = session.trainer(method, model, loader, checkpoint_dir=checkpoint_dir, fingerprint=fp,

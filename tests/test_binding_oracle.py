@@ -121,12 +121,21 @@ def test_same_bag_pairs_counts_rebound_partners(train_scenes):
     assert json.dumps(same_bag_pairs(train_scenes))      # a plain pair of ints
 
 
-def test_probe_regime_is_the_shared_settings_with_the_methods_group_and_a_stray_group_raises():
-    from benchmarks.common import run_regime
+def test_a_probe_trains_with_the_resolved_settings_of_its_methods_run():
+    """The probes (binding_oracle: the clip run; fig2/gpu: each method's own run) take a run's settings from
+    clipfinetune/runs.py, as train@<run> does: the shared training settings with the method's group, its weights from
+    `loss`; no run of the method is an error, not a default."""
+    from benchmarks.common import method_run
 
     shared = {"epochs": 2, "batch_size": 64, "lr": 2e-4, "warmup": 10, "seed": 0}
-    train = {**shared, "keep_checkpoint": False, "clip": {"lr": 1e-4}, "fsc_clip": {"lr": 5e-6}, "mulclip": {}}
-    assert run_regime(train, "clip") == ({**shared, "lr": 1e-4}, {})
-    assert run_regime(train, "fsc_clip") == ({**shared, "lr": 5e-6}, {})
-    with pytest.raises(ValueError, match=r"\['fsc-clip'\] are no method's"):
-        run_regime({**train, "fsc-clip": {"lr": 1.0}}, "clip")        # a misspelt group is not skipped silently
+    params = {"loss": {"lambda_g": 0.5, "lambda_l": 0.2, "focal_gamma": 2.0, "label_smoothing": 0.02},
+              "runs": {"baseline": {"method": "clip"}, "fsc_lhn_only": {"method": "fsc_clip", "lambda_g": 0.0},
+                       "fsc_clip": {"method": "fsc_clip"}},
+              "train": {**shared, "keep_checkpoint": False, "clip": {"lr": 1e-4}, "fsc_clip": {"lr": 5e-6}},
+              "model": {"precision": "auto"}}
+    assert method_run(params, "clip")["train"] == {**shared, "lr": 1e-4}          # the first (here: only) clip run
+    fsc = method_run(params, "fsc_clip")                                          # the run named as the method
+    assert fsc["train"] == {**shared, "lr": 5e-6} and fsc["config"]["lambda_g"] == 0.5
+    assert fsc["config"]["lambda_l"] == 0.2 and fsc["precision"] == "auto"
+    with pytest.raises(ValueError, match="no run of method 'goal'"):
+        method_run(params, "goal")

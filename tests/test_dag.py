@@ -1,17 +1,20 @@
-"""The whole DVC DAG end to end on a tiny sample world, in a throw-away git repo copy of the project.
+"""The whole DVC DAG end to end on a tiny sample world, in a throw-away git repo copy of the project, driven by the
+user's three commands exactly as the README writes them: `dvc repro`, `dvc exp run -S loss.lambda_l=0.2`,
+`dvc metrics diff`.
 
-One module-scoped fixture runs `dvc repro` once (every stage, with five of the runs: clip, fsc_clip, degla, its
-ablation degla_no_distill and the mix custom, so `make test` stays short; tests/scale/test_dag_experiment.py runs
-all 12 with the report's claims and the experiment flow);
-the tests read what it recorded (stage `benchmarks` is always changed: it re-lists the benchmark files on every
-repro, and its unchanged output re-runs nothing):
+One module-scoped fixture runs them once (every stage, with five of the runs: clip, fsc_clip and its ablation
+fsc_lhn_only, which inherits lambda_L, degla and the mix custom, so `make test` stays short;
+tests/scale/test_dag_experiment.py runs all 12 with the report's claims); the tests read what it recorded (stage
+`benchmarks` is always changed: it re-lists the benchmark files on every repro, and its unchanged output re-runs
+nothing):
   - a second `dvc repro` runs only `benchmarks` and `dvc status` shows nothing else;
   - every run's dvclive curves render in `dvc plots show`;
-  - changing `runs.fsc_clip.lambda_l` makes `dvc status` list exactly `train@fsc_clip` (and `report`, which reads
-    `runs` for its list of models);
+  - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly run_settings, train@ and eval@ of the runs that use lambda_L
+    and report, and `dvc metrics diff` lists only those models' rows;
+  - the older spelling `runs.fsc_clip.lambda_l` (edited by hand) re-trains fsc_clip alone;
   - changing `train.seed` (what `make seeds` varies) marks every train@ run and not pretrain;
-  - editing one method's loss file marks only that method's runs (through stage method_code).
-The experiment flow (`dvc exp run -S runs.fsc_clip.lambda_l=0.2`, `dvc metrics diff`) is tests/scale/test_dag_experiment.py.
+  - editing one method's loss file marks only that method's runs (through stage method_code);
+  - every model stage records the precision it ran in (`model.precision: auto`).
 Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
 """
 from __future__ import annotations
@@ -40,7 +43,9 @@ def _lock(repo: Path) -> dict:
     return yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
 
 
-RUNS = ("clip", "fsc_clip", "degla", "degla_no_distill", "custom")
+RUNS = ("clip", "fsc_clip", "fsc_lhn_only", "degla", "custom")
+LAMBDA_L_RUNS = ("fsc_clip", "fsc_lhn_only")      # the runs of RUNS whose effective settings read loss.lambda_l
+CARD = (("dvc", "repro"), ("dvc", "exp", "run", "-S", "loss.lambda_l=0.2"), ("dvc", "metrics", "diff"))
 
 
 def set_runs(repo: Path, runs: dict) -> None:
@@ -65,7 +70,7 @@ def dag(tmp_path_factory):
     rec = {"repo": repo, "stages": _run(repo, "dvc", "stage", "list", "--name-only").stdout.split()}
 
     t0 = time.perf_counter()
-    first = _run(repo, "dvc", "repro")
+    first = _run(repo, *CARD[0])                                          # the card's first command
     rec["repro_seconds"] = time.perf_counter() - t0
     rec["first_ran"] = RAN.findall(first.stdout)
     _git_commit(repo, "baseline")
@@ -75,24 +80,44 @@ def dag(tmp_path_factory):
     rec["status_clean"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     rec["plots"] = json.loads(_run(repo, "dvc", "plots", "show", "--json").stdout)
 
-    write_params(repo, {"runs": {"fsc_clip": {"lambda_l": 0.2}}})        # by hand, then back
-    rec["status_changed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
-    _run(repo, "git", "checkout", "--", "params.yaml")
+    # a run's settings reach train@<run> through data/runs/<run>.json (stage run_settings): dvc status shows the
+    # resolver first, and after it exactly the runs whose file changed. Every edit is undone by writing the file's
+    # bytes back: `git checkout` after a `dvc repro` (which autostages, rewriting the git index) was seen to leave a
+    # same-size edit (seed 0 -> 7) in place
+    params = repo / "params.yaml"
+    baseline = params.read_bytes()
+    write_params(repo, {"runs": {"fsc_clip": {"lambda_l": 0.2}}})        # the older spelling, by hand
+    rec["status_old_spelling"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "dvc", "repro", "run_settings")
+    rec["status_old_spelling_resolved"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    params.write_bytes(baseline)
+    write_params(repo, {"train": {"seed": 7}})
+    _run(repo, "dvc", "repro", "run_settings")
+    rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    params.write_bytes(baseline)
+    _run(repo, "dvc", "repro", "run_settings")                             # the baseline's settings files again
     llm = repo / "clipfinetune" / "data" / "negatives" / "degla" / "llm.py"   # a module only `negatives` imports
-    llm.write_text(llm.read_text() + "# edited\n")
+    code = llm.read_bytes()
+    llm.write_bytes(code + b"# edited\n")
     rec["status_llm_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
-    _run(repo, "git", "checkout", "--", str(llm.relative_to(repo)))
+    llm.write_bytes(code)
     loss = repo / "clipfinetune" / "losses" / "degla.py"                   # one method's loss file
-    loss.write_text(loss.read_text() + "# edited\n")
+    code = loss.read_bytes()
+    loss.write_bytes(code + b"# edited\n")
     rec["status_loss_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     rec["loss_edit_ran"] = RAN.findall(_run(repo, "dvc", "repro", "method_code").stdout)
     rec["status_loss_edit_digests"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
-    _run(repo, "git", "checkout", "--", str(loss.relative_to(repo)))
-    _run(repo, "dvc", "repro", "method_code")                              # the baseline's digests again
-    rec["status_loss_restored"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
-    write_params(repo, {"train": {"seed": 7}})
-    rec["status_seed"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
-    _run(repo, "git", "checkout", "--", "params.yaml")
+    loss.write_bytes(code)
+    _run(repo, "dvc", "repro", "method_code", "run_settings")              # the baseline's digests again
+    rec["status_restored"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+
+    # the card's sweep and comparison, exactly as written
+    t0 = time.perf_counter()
+    rec["exp_ran"] = RAN.findall(_run(repo, *CARD[1]).stdout)
+    rec["exp_seconds"] = time.perf_counter() - t0
+    rec["lock_exp"] = _lock(repo)
+    rec["metrics_diff"] = _run(repo, *CARD[2]).stdout
+    print(f"\n[dag] exp run {rec['exp_seconds']:.0f}s")
     print(f"\n[dag] repro {rec['repro_seconds']:.0f}s")
     return rec
 
@@ -144,9 +169,35 @@ def test_every_runs_curves_render_in_plots_show(dag):
         assert values and {"step", "loss"} <= set(values[0]), run
 
 
-def test_changing_lambda_l_marks_exactly_train_fsc_clip_and_report(dag):
-    assert set(_changed(dag["status_changed"])) == {"train@fsc_clip", "report"}
-    assert "runs.fsc_clip" in json.dumps(dag["status_changed"])
+def test_exp_run_of_loss_lambda_l_reruns_exactly_the_runs_that_use_it_their_evals_and_report(dag):
+    """`dvc exp run -S loss.lambda_l=0.2`: fsc_clip and fsc_lhn_only (its ablation inherits lambda_L) re-train; clip,
+    degla and the mix (whose weights are its own terms) do not."""
+    wanted = {"run_settings", "report"} | {f"{s}@{r}" for r in LAMBDA_L_RUNS for s in ("train", "eval")}
+    assert set(dag["exp_ran"]) == wanted | {"benchmarks"}        # benchmarks re-lists (same output, lock unchanged)
+    before, after = dag["lock_baseline"], dag["lock_exp"]
+    assert before.keys() == after.keys()
+    assert {name for name in before if before[name] != after[name]} == wanted
+    assert after["run_settings"]["params"]["params.yaml"]["loss"]["lambda_l"] == 0.2
+
+
+def _diff_rows(text: str) -> list[tuple[str, str]]:
+    """(path, metric) of each row of `dvc metrics diff`'s table."""
+    return [tuple(line.split()[:2]) for line in text.splitlines() if line.startswith("metrics/")]
+
+
+def test_metrics_diff_lists_only_the_rerun_models_rows(dag):
+    rows = _diff_rows(dag["metrics_diff"])
+    paths = {path for path, _ in rows}
+    assert paths <= {f"metrics/{r}.json" for r in LAMBDA_L_RUNS} | {"metrics/summary.json"}, dag["metrics_diff"]
+    assert "metrics/fsc_clip.json" in paths
+    summary = [metric for path, metric in rows if path == "metrics/summary.json"]
+    assert all(any(run in metric for run in LAMBDA_L_RUNS) for metric in summary), summary
+
+
+def test_the_older_spelling_of_one_runs_weight_retrains_that_run_alone(dag):
+    # before the resolver runs: it (params loss/runs/train) and report (params runs) are stale, no train@ yet
+    assert set(_changed(dag["status_old_spelling"])) == {"run_settings", "report"}
+    assert set(_changed(dag["status_old_spelling_resolved"])) == {"train@fsc_clip", "report"}
 
 
 def test_editing_a_module_marks_only_the_stages_that_import_it(dag):
@@ -156,13 +207,33 @@ def test_editing_a_module_marks_only_the_stages_that_import_it(dag):
 
 def test_editing_one_methods_loss_marks_only_its_runs(dag):
     """A method's code reaches train@<run> as data/code/<method>.json (stage method_code): editing DeGLA's loss file
-    changes DeGLA's digest and the mix's (custom mixes every method), so only their runs are stale."""
+    changes DeGLA's digest and the mix's (custom mixes every method), so only their runs are stale (and the resolver,
+    which re-reads the methods' constructors: its unchanged files re-train nothing)."""
     assert list(_changed(dag["status_loss_edit"])) == ["method_code"]
     assert dag["loss_edit_ran"] == ["method_code"]
-    assert set(_changed(dag["status_loss_edit_digests"])) == {"train@degla", "train@degla_no_distill", "train@custom"}
-    assert _changed(dag["status_loss_restored"]) == {}
+    assert set(_changed(dag["status_loss_edit_digests"])) == {"run_settings", "train@degla", "train@custom"}
+    assert _changed(dag["status_restored"]) == {}
 
 
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
-    # downstream of the runs: their eval@ stages and report (not eval_base); sample, data stages, pretrain untouched
+    # after the resolver: every run's settings file changed; downstream of the runs their eval@ stages and report
+    # (not eval_base); sample, data stages, pretrain untouched
     assert set(_changed(dag["status_seed"])) == {s for s in dag["stages"] if s.startswith("train@")}
+
+
+def _cpu_has_native_bf16() -> bool:
+    """From the kernel's CPU flags (not through torch, which the code under test asks)."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return "avx512_bf16" in flags or "amx_tile" in flags
+
+
+def test_every_model_stage_records_the_precision_it_ran_in(dag):
+    """`model.precision: auto`: bf16 on a CPU with native bf16, fp32 otherwise; evaluation always fp32."""
+    trained = "bf16" if _cpu_has_native_bf16() else "fp32"
+    repo = dag["repo"]
+    assert json.loads((repo / "dvclive" / "pretrain" / "device.json").read_text())["precision"] == trained
+    for run in RUNS:
+        assert json.loads((repo / "dvclive" / "train" / run / "data.json").read_text())["precision"] == trained, run
+    for model in ("base", *RUNS):
+        assert json.loads((repo / "metrics" / f"{model}.json").read_text())["meta"]["precision"] == "fp32", model
+    assert json.loads((repo / "data" / "prepared" / "local_pairs.meta.json").read_text())["precision"] == "fp32"

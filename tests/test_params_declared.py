@@ -6,9 +6,10 @@ nothing or hide a value. The stages are expanded by DVC itself (foreach/`${...}`
 params.yaml in a temporary DVC repo; the method -> loss-key map comes from the methods' constructor signatures.
 
 Dict-valued declarations allowed (each is ONE setting that one stage family reads whole, never a shared group):
-  - `train.<method>`      the run's own override group (its keys are checked against TrainConfig by the stage);
-  - `runs.<run>`          the run's own settings (its method and that method's constructor arguments), read whole
-                          by train@<run> alone;
+  - `loss`, `runs`, `train` (stage `run_settings` only): it resolves every run's effective settings from all three
+                          (clipfinetune/runs.py) into data/runs/<run>.json, which train@<run> depends on instead of
+                          params (a foreach cannot declare one run's `loss.*` keys): a change re-trains exactly the
+                          runs whose file changes;
   - `runs` (stage `report` only): the models it reports (base and every run); a run's change re-runs its eval and
                           so the report anyway;
   - `sources.<name>`      one source's definition (its reader and paths), read whole by the stages that list it;
@@ -38,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 SHARED_GROUPS = set(PARAMS) | {"train", "eval", "model"}
 DICT_DECLARATIONS_OK = {"eval.benchmarks"} | {f"sources.{name}" for name in PARAMS["sources"]}
-WHOLE_GROUP_OK = {("shards", "sources"), ("report", "runs")}
+WHOLE_GROUP_OK = {("shards", "sources"), ("report", "runs")} \
+    | {("run_settings", group) for group in ("loss", "runs", "train")}
 
 
 def _lookup(key: str):
@@ -88,9 +90,7 @@ def _has(key):
 
 
 def test_no_stage_declares_a_whole_shared_group(declared):
-    runs = _train_runs()
-    allowed = DICT_DECLARATIONS_OK | {f"train.{item['method']}" for item in runs.values()} \
-        | {f"runs.{run}" for run in runs}
+    allowed = DICT_DECLARATIONS_OK
     for stage, keys in declared.items():
         whole = {k for k in set(keys) & SHARED_GROUPS if (stage, k) not in WHOLE_GROUP_OK}
         assert not whole, (stage, whole)
@@ -98,11 +98,14 @@ def test_no_stage_declares_a_whole_shared_group(declared):
         assert broad <= allowed, (stage, broad - allowed)
 
 
-def test_a_train_run_declares_only_its_own_override_and_run_groups(declared):
-    for run, item in _train_runs().items():
+def test_a_train_run_declares_no_run_setting_and_depends_on_its_own_settings_file(declared):
+    """train@<run> gets its weights and training settings from data/runs/<run>.json (stage run_settings), so it
+    declares none of them: only the stage's own keep_checkpoint and the device/ranks."""
+    for run in _train_runs():
         keys = declared[f"train@{run}"]
-        assert [k for k in keys if k.startswith("train.") and isinstance(_lookup(k), dict)] == [f"train.{item['method']}"]
-        assert [k for k in keys if k.startswith("runs")] == [f"runs.{run}"]
+        assert not [k for k in keys if k.split(".")[0] in ("loss", "runs", "model")], (run, keys)
+        assert [k for k in keys if k.startswith("train.")] == ["train.keep_checkpoint"], (run, keys)
+    assert {"loss", "runs", "train", "model.precision"} == set(declared["run_settings"])
 
 
 def test_a_runs_settings_are_its_methods_constructor_arguments():
@@ -112,9 +115,9 @@ def test_a_runs_settings_are_its_methods_constructor_arguments():
         assert set(item) - {"method"} <= names, (run, set(item) - {"method"} - names)
 
 
-def _stage_train():
+def _stage(script: str):
     sys.path.insert(0, str(ROOT / "stages"))
-    spec = importlib.util.spec_from_file_location("stage_train_declared", ROOT / "stages" / "train.py")
+    spec = importlib.util.spec_from_file_location(f"stage_{script}_declared", ROOT / "stages" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module, sys.modules["_common"].StageParams
@@ -131,22 +134,31 @@ def _nest(keys: list[str]) -> dict:
     return out
 
 
-def test_each_train_run_reads_every_key_it_declares_and_builds_its_method(declared):
-    """The train stage's own param-reading path with a recording StageParams (what check_all_read enforces)."""
-    stage, StageParams = _stage_train()
-    for run, item in _train_runs().items():
+def test_run_settings_reads_every_key_it_declares_and_each_run_builds_its_method(declared):
+    """The resolver stage's own param-reading path with a recording StageParams (what check_all_read enforces)."""
+    stage, StageParams = _stage("run_settings")
+    params = StageParams("run_settings", _nest(declared["run_settings"]))
+    runs = stage.resolved(params)
+    params.check_all_read()
+    assert set(runs) == set(_train_runs())
+    for run in runs.values():
+        get_method(run["method"])(**run["config"])      # every resolved key is a constructor argument
+
+
+def test_each_train_run_reads_every_key_it_declares(declared):
+    _stage("train")
+    StageParams = sys.modules["_common"].StageParams
+    for run in _train_runs():
         params = StageParams(f"train@{run}", _nest(declared[f"train@{run}"]))
-        method_cls = get_method(item["method"])
-        _settings, config = stage.run_settings(params, run, item["method"], method_cls)
-        params["model.precision"]
         params["compute.device"]                    # init_distributed's setting
         sys.modules["_common"].stage_ranks(params)  # start(): ranks to launch (1 here: CPU)
+        params["train.keep_checkpoint"]
         params.check_all_read()
-        method_cls(**config)                        # every flattened key is a constructor argument
 
 
-def test_non_train_stages_declare_no_loss_or_train_keys(declared):
+def test_only_the_resolver_declares_loss_or_training_keys(declared):
     for stage, keys in declared.items():
-        if stage.startswith("train@"):
+        if stage.startswith("train@"):              # its own keep_checkpoint (above)
             continue
-        assert not [k for k in keys if k.split(".")[0] in ("train", "runs") and (stage, k) not in WHOLE_GROUP_OK], stage
+        assert not [k for k in keys if k.split(".")[0] in ("loss", "train", "runs") and (stage, k) not in WHOLE_GROUP_OK], \
+            stage

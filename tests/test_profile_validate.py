@@ -44,8 +44,8 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     assert "model.name" in changed and "runs" in changed and "pretrain.lr" not in changed   # same value: no change
     assert set(merged["runs"]) == {"mulclip", "mulclip_global_only"}       # the recipe's runs replace the list
     assert profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params) == []      # idempotent
-    apply_overrides(str(params), ["runs.mulclip.lambda_word=0.2"])           # what `dvc exp run -S` does
-    assert yaml.safe_load(params.read_text())["runs"]["mulclip"]["lambda_word"] == 0.2
+    apply_overrides(str(params), ["loss.lambda_word=0.2"])                   # what `dvc exp run -S` does
+    assert yaml.safe_load(params.read_text())["loss"]["lambda_word"] == 0.2
 
 
 def test_set_args_lists_every_leaf_as_an_override():

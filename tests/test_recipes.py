@@ -27,7 +27,7 @@ PAPER_RUNS = {"harmoclip": {"harmoclip"}, "fsc_clip": {"fsc_clip", "fsc_lhn_only
 # the data stages each paper's runs read (dvc.yaml runs `<stage>@<source>` for each listed source), and no other
 PAPER_DATA_STAGES = {"harmoclip": {"word_regions@coco"}, "fsc_clip": set(), "degla": {"negatives@coco"},
                      "goal": {"sentences@docci", "segments@docci", "lism@docci"}, "mulclip": {"sentences@docci"}}
-EVERY_RECIPE = {"sample", "pretrain", "method_code", "shards", "benchmarks", "eval_base", "report"}
+EVERY_RECIPE = {"sample", "pretrain", "method_code", "run_settings", "shards", "benchmarks", "eval_base", "report"}
 WEIGHTS = "datasets/weights/clip-tiny"          # stands in for every pretrained checkpoint (and LISM's matcher)
 # the compute and service stand-ins of a CPU test: no path or layout of a recipe is changed
 CPU = {"model": {"pretrained": f"local-dir:{WEIGHTS}"}, "segments": {"sam_checkpoint": ""}}

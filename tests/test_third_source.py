@@ -74,6 +74,7 @@ def project(tmp_path_factory):
     for run in ("clip", "fsc_clip"):
         if run == "fsc_clip":                      # clip's checkpoints go after its export, fsc_clip's are kept
             write_params(repo, {"train": {"keep_checkpoint": True}})
+        _run(repo, "python", "stages/run_settings.py", "--stage", "run_settings")     # data/runs/<run>.json
         _run(repo, "python", "stages/train.py", "--run", run, "--method", run, "--stage", f"train@{run}")
     return repo, rows
 

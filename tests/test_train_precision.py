@@ -1,5 +1,6 @@
-"""`model.precision: fp16`: open_clip's `amp` (fp16 autocast + GradScaler) in the training loop, on CPU where torch
-allows it; the CPU fallback to bf16 and the CUDA selection of fp16 (mocked device)."""
+"""`model.precision`: fp16 is open_clip's `amp` (fp16 autocast + GradScaler) in the training loop, on CPU where torch
+allows it; the CPU fallback to bf16 and the CUDA selection of fp16 (mocked device); `auto` follows the device's native
+bf16 (mocked CPU flags and GPU)."""
 from __future__ import annotations
 
 import logging
@@ -98,3 +99,35 @@ def test_fp16_is_selected_on_cuda_and_falls_back_to_bf16_with_a_warning_on_cpu(c
     assert "needs CUDA" in caplog.text
     with pytest.raises(ValueError, match="precision must be one of"):
         config(precision="amp")
+
+
+# ------------------------------------------------------------------------------------------ model.precision: auto
+@pytest.mark.parametrize("avx512_bf16,amx,expected", [(False, False, "fp32"), (True, False, "bf16"),
+                                                      (False, True, "bf16")])
+def test_auto_is_bf16_on_a_cpu_with_native_bf16_and_fp32_without(monkeypatch, caplog, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)     # the CPU's own flags
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    log = logging.getLogger("test-precision")
+    with caplog.at_level(logging.INFO):
+        assert train_config.resolve_precision("auto", torch.device("cpu"), log) == expected
+    assert f"precision auto: {expected} on cpu" in caplog.text                     # the log says what runs
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]        # a choice, not a problem
+
+
+@pytest.mark.parametrize("native,expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_on_a_gpu_follows_its_native_bf16_units(monkeypatch, native, expected):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True:
+                        asked.append(including_emulation) or native)
+    cuda = types.SimpleNamespace(type="cuda")                  # resolve_precision reads only the device type
+    assert train_config.resolve_precision("auto", cuda) == expected
+    assert asked == [False]                                    # an emulating GPU (pre-Ampere) counts as without
+
+
+def test_auto_elsewhere_is_fp32_and_a_stated_precision_is_kept_whatever_the_cpu(monkeypatch):
+    assert train_config.resolve_precision("auto", types.SimpleNamespace(type="mps")) == "fp32"
+    monkeypatch.setattr(train_config, "cpu_has_native_bf16", lambda: False)
+    cpu = torch.device("cpu")
+    assert [train_config.resolve_precision(p, cpu) for p in ("bf16", "fp32")] == ["bf16", "fp32"]
+    with pytest.raises(ValueError, match="model.precision must be auto or one of"):
+        train_config.resolve_precision("bf32", cpu)

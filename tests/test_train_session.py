@@ -40,5 +40,5 @@ def test_the_export_writes_the_model_and_its_record_and_removes_the_checkpoints(
                        checkpoint_dir=tmp_path / "checkpoints", keep_checkpoint=False)
     assert (tmp_path / "model" / "open_clip_config.json").is_file()
     assert json.loads((tmp_path / "live" / "data.json").read_text()) == {
-        "samples": 3, "device": "cpu", "ranks": 1, "global_batch": 8, "rank_batch": 8}
+        "samples": 3, "device": "cpu", "ranks": 1, "global_batch": 8, "rank_batch": 8, "precision": "fp32"}
     assert not (tmp_path / "checkpoints").exists()

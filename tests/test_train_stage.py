@@ -1,4 +1,4 @@
-"""Stage wiring of `train@<run>` (settings merge, method kwargs) and the `pretrain` caption source."""
+"""Stage wiring of `run_settings` -> `train@<run>` (each run's settings file) and the `pretrain` caption source."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from clipfinetune.methods import Method
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,58 +24,57 @@ def _stage_module():
 stage = _stage_module()
 StageParams = sys.modules["_common"].StageParams
 
-SHARED = {"epochs": 2, "batch_size": 8, "lr": 1e-4, "warmup": 2, "wd": 0.1, "beta1": 0.9, "beta2": 0.98,
-          "eps": 1e-6, "grad_clip": 1.0, "accum_steps": 1, "checkpoint_every": 5, "seed": 0, "workers": 0}
+def _stage_run_settings():
+    spec = importlib.util.spec_from_file_location("stage_run_settings", ROOT / "stages" / "run_settings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class WithExtra(Method):
-    name = "withextra"
-    train_keys = frozenset({"new_module_lr"})
+PARAMS = {"loss": {"lambda_g": 0.5, "lambda_l": 0.5, "focal_gamma": 2.0, "label_smoothing": 0.02},
+          "runs": {"clip": {"method": "clip"}, "fsc_lhn_only": {"method": "fsc_clip", "lambda_g": 0.0}},
+          "train": {"epochs": 2, "batch_size": 8, "lr": 1e-4, "keep_checkpoint": False, "fsc_clip": {"lr": 5e-6}},
+          "model": {"precision": "fp32"}}
 
 
-def test_plain_clip_run_merges_nothing_and_reads_every_declared_key():
-    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "keep_checkpoint": False, "clip": {}},
-                                        "runs": {"clip": {"method": "clip"}}})
-    settings, config = stage.run_settings(params, "clip", "clip", Method)
-    params["model.precision"]
-    assert settings == SHARED and config == {}
-    params.check_all_read()
+def _run_settings_stage(tmp_path, monkeypatch, values) -> dict[str, bytes]:
+    stage_module = _stage_run_settings()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: StageParams("run_settings", values))
+    monkeypatch.setattr(sys, "argv", ["stages/run_settings.py", "--stage", "run_settings"])
+    stage_module.main()                                      # fails if a declared key is never read
+    return {p.name: p.read_bytes() for p in sorted((tmp_path / "data" / "runs").iterdir())}
 
 
-def test_a_runs_group_is_its_methods_kwargs_and_overrides_replace_shared_ones():
-    params = StageParams("train@fsc_lhn_only", {
-        "model": {"precision": "fp32"},
-        "train": {**SHARED, "keep_checkpoint": False, "fsc_clip": {"lr": 5e-6}},
-        "runs": {"fsc_lhn_only": {"method": "fsc_clip", "lambda_g": 0.0, "lambda_l": 0.5}}})
-    settings, config = stage.run_settings(params, "fsc_lhn_only", "fsc_clip", Method)
-    assert settings["lr"] == 5e-6 and settings["epochs"] == 2
-    assert config == {"lambda_g": 0.0, "lambda_l": 0.5}
+def test_run_settings_writes_each_runs_resolved_settings_as_stable_bytes(tmp_path, monkeypatch):
+    """One file per run, sorted keys: a run whose settings do not change keeps its bytes (DVC re-trains nothing)."""
+    files = _run_settings_stage(tmp_path, monkeypatch, PARAMS)
+    assert sorted(files) == ["clip.json", "fsc_lhn_only.json"]
+    lhn = json.loads(files["fsc_lhn_only.json"])
+    assert lhn == {"method": "fsc_clip", "precision": "fp32",
+                   "config": {"lambda_g": 0.0, "lambda_l": 0.5, "focal_gamma": 2.0, "label_smoothing": 0.02},
+                   "train": {"epochs": 2, "batch_size": 8, "lr": 5e-6}}
+    assert list(json.loads(files["clip.json"])) == sorted(json.loads(files["clip.json"]))
+    swept = _run_settings_stage(tmp_path, monkeypatch, {**PARAMS, "loss": {**PARAMS["loss"], "lambda_l": 0.2}})
+    assert swept["clip.json"] == files["clip.json"] and swept["fsc_lhn_only.json"] != files["fsc_lhn_only.json"]
 
 
-def test_method_extra_training_keys_reach_the_method_beside_the_runs_settings():
-    params = StageParams("train@x", {
-        "model": {"precision": "fp32"},
-        "train": {**SHARED, "keep_checkpoint": False, "withextra": {"new_module_lr": 2e-3}},
-        "runs": {"x": {"method": "withextra", "unlocked_vision_layers": 2, "max_sentences": 15,
-                       "terms": {"fsc_clip.local_hn": 0.5}}}})
-    settings, config = stage.run_settings(params, "x", "withextra", WithExtra)
-    assert "new_module_lr" not in settings
-    assert config == {"new_module_lr": 2e-3, "unlocked_vision_layers": 2, "max_sentences": 15,
-                      "terms": {"fsc_clip.local_hn": 0.5}}
+def test_run_settings_names_an_unknown_key_and_writes_nothing(tmp_path, monkeypatch):
+    bad = {**PARAMS, "runs": {"clip": {"method": "clip", "lambda_l": 0.2}}}
+    with pytest.raises(SystemExit, match=r"stage run_settings: params runs\.clip\.lambda_l"):
+        _run_settings_stage(tmp_path, monkeypatch, bad)
+    assert not (tmp_path / "data" / "runs").exists()
 
 
-def test_a_run_whose_group_names_another_method_is_an_error():
-    params = StageParams("train@x", {"model": {"precision": "fp32"}, "train": {**SHARED, "keep_checkpoint": False, "clip": {}},
-                                     "runs": {"x": {"method": "goal"}}})
-    with pytest.raises(ValueError, match="runs.x.method is not 'clip'"):
-        stage.run_settings(params, "x", "clip", Method)
-
-
-def test_an_unknown_override_key_is_an_error():
-    params = StageParams("train@clip", {"model": {"precision": "fp32"}, "train": {**SHARED, "keep_checkpoint": False, "clip": {"lr_": 1.0}},
-                                        "runs": {"clip": {"method": "clip"}}})
-    with pytest.raises(ValueError, match="unknown override keys.*lr_"):
-        stage.run_settings(params, "clip", "clip", Method)
+def test_train_reads_its_runs_file_and_names_the_stage_that_writes_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(stage, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=r"data/runs/clip\.json does not exist: run `dvc repro run_settings`"):
+        stage.run_settings("clip", "clip")
+    (tmp_path / "data" / "runs").mkdir(parents=True)
+    (tmp_path / "data" / "runs" / "x.json").write_text(json.dumps({"method": "goal", "config": {}}))
+    with pytest.raises(SystemExit, match="method 'goal', not 'clip'"):
+        stage.run_settings("x", "clip")
+    assert stage.run_settings("x", "goal") == {"method": "goal", "config": {}}
 
 
 # ------------------------------------------------------------------------------------------ pretrain source

@@ -3,9 +3,9 @@
 The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
 loop. What differs between methods is a hook here, called by the trainer without asking who answers; the defaults
 are open_clip's conventions (`clipfinetune/conventions.py`, METHODS.md 0.3; a method never imports the trainer).
-Construction: `cls(**config)`, where `config` is the run's own params group `runs.<run>` without its `method`
-(loss weights, `terms`, `unlocked_vision_layers`, `max_sentences`, ...) plus
-the keys of `train.<method>` that the method lists in `train_keys` (e.g. MulCLIP's `new_module_lr`).
+Construction: `cls(**config)`, where `config` is the run's resolved constructor kwargs (clipfinetune/runs.py: its
+loss weights from params `loss`, what `runs.<run>` changes (`terms`, `unlocked_vision_layers`, `max_sentences`, ...),
+and the keys of `train.<method>` that the method lists in `train_keys`, e.g. MulCLIP's `new_module_lr`).
 A subclass either names its keyword arguments (a typo in params.yaml then fails loudly) or reads `self.config`.
 
 Features returned by `build(model)(batch)` must be tensors whose dim 0 indexes the batch's samples, or 0-dim

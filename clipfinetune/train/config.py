@@ -102,10 +102,25 @@ def merge_train_settings(shared: dict, override: dict | None, extra_keys=frozens
 
 
 def resolve_precision(precision: str, device, log=None) -> str:
-    """bf16 autocast (open_clip_train's `amp_bf16`) on CUDA and on CPU alike. A CPU without native bf16 arithmetic
-    (AVX512-BF16 / AMX) emulates it: the same result, slower than fp32, so say so. fp16 (open_clip_train's `amp`:
-    fp16 autocast + GradScaler) on CUDA; on a CPU (no fast fp16 kernels) it falls back to bf16 with a warning."""
+    """The precision a stage trains in on `device`, from `model.precision`:
+    - auto: bf16 autocast where the device computes bf16 natively (a CUDA GPU with bf16 units, a CPU with
+      AVX512-BF16 / AMX), fp32 otherwise: an emulated bf16 (older CPUs, pre-Ampere GPUs) gives the same numbers as
+      native bf16 at about 3x fp32's time on a CPU (benchmarks/cpu_precision.py), so fp32 is the fast choice there;
+    - bf16 (open_clip_train's `amp_bf16`) on CUDA and on CPU alike; emulated on a CPU without native bf16, which is
+      said (same result, slower than fp32);
+    - fp16 (open_clip_train's `amp`: fp16 autocast + GradScaler) on CUDA; on a CPU (no fast fp16 kernels) it falls
+      back to bf16 with a warning;
+    - fp32: no autocast.
+    Results differ across CPUs and precisions at the last digits; the stages record the resolved precision."""
     device_type = getattr(device, "type", str(device))
+    if precision == "auto":
+        native = native_bf16(device_type)
+        precision = "bf16" if native else "fp32"
+        if log is not None:
+            log.info("precision auto: %s on %s (%s)", precision, device_type,
+                     "native bf16" if native else "no native bf16: fp32 is faster than emulated bf16")
+    if precision not in PRECISIONS:
+        raise ValueError(f"model.precision must be auto or one of {'/'.join(PRECISIONS)}, got {precision!r}")
     if precision == "fp16" and device_type != "cuda":
         if log is not None:
             log.warning("precision fp16 (open_clip's amp: fp16 autocast + GradScaler) needs CUDA; on %s it trains "
@@ -114,11 +129,18 @@ def resolve_precision(precision: str, device, log=None) -> str:
     if precision == "bf16" and log is not None:
         said = f"precision bf16: bf16 autocast on {device_type}"     # one opening on every host: logs grep it
         if device_type == "cpu" and not cpu_has_native_bf16():
-            log.warning("%s, emulated (this CPU has no AVX512-BF16/AMX): slower than fp32; model.precision: fp32 is "
-                        "faster (and gives other numbers)", said)
+            log.warning("%s, emulated (this CPU has no AVX512-BF16/AMX): slower than fp32; model.precision: auto or "
+                        "fp32 is faster (and gives other numbers)", said)
         else:
             log.info(said)
     return precision
+
+
+def native_bf16(device_type: str) -> bool:
+    """Does this kind of device compute bf16 natively (the rule of `model.precision: auto`)?"""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device_type == "cpu" and cpu_has_native_bf16()
 
 
 def autocast(precision: str, device: torch.device):

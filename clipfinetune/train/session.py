@@ -63,7 +63,8 @@ class TrainingSession:
         if live_dir is not None:
             write_json(Path(live_dir) / note, {**(record or {}), "device": str(self.dist.device),
                                                "ranks": self.dist.world_size, "global_batch": self.global_batch,
-                                               "rank_batch": self.cfg.batch_size})
+                                               "rank_batch": self.cfg.batch_size,
+                                               "precision": self.cfg.precision})
         if checkpoint_dir is not None and not keep_checkpoint:
             remove_checkpoints(checkpoint_dir)
 

@@ -73,7 +73,15 @@ def stage_cmd(stage: str) -> list[str]:
     return [PY, f"stages/{stage}.py", "--stage", dvc_name(stage)]
 
 
+def resolve_run_settings(root: Path, stage: str) -> None:
+    """Before a train@<run>: its settings file data/runs/<run>.json from the project's params.yaml, as DVC runs stage
+    `run_settings` first."""
+    if stage.startswith("train@"):
+        run_stage(root, "run_settings")
+
+
 def start_stage(root: Path, stage: str) -> subprocess.Popen:
+    resolve_run_settings(root, stage)
     return subprocess.Popen(stage_cmd(stage), cwd=root, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -81,6 +89,7 @@ def start_stage(root: Path, stage: str) -> subprocess.Popen:
 # a guard against a hung stage, not a speed test: the tiny profile's stages take seconds on an idle machine and several
 # minutes on a shared 2-core one
 def run_stage(root: Path, stage: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    resolve_run_settings(root, stage)
     proc = subprocess.run(stage_cmd(stage), cwd=root, env=ENV, capture_output=True, text=True, timeout=timeout,
                           check=False)                     # a failure is reported below, with the stage's output
     if check and proc.returncode != 0:
@@ -194,7 +203,7 @@ def tiny_project(tmp_path_factory) -> Project:
 
 # ------------------------------------------------------------------------------------------ in-process stages
 INPROCESS_STAGES = ("sample", "word_regions", "sentences", "segments", "negatives", "pretrain", "lism", "shards",
-                    "train")
+                    "run_settings", "train")
 
 
 @pytest.fixture()
@@ -212,6 +221,8 @@ def inprocess(monkeypatch):
 
     def run(proj: Project, stage: str, *argv: str):
         name = stage.split("@")[0]
+        if name == "train":                 # its settings file first, as DVC runs stage run_settings before it
+            run(proj, "run_settings")
         module = modules[name]
         for mod in (_common, pkg_common, module):
             # ROOT and every absolute path derived from it at import time (e.g. sample's OUT) -> the copy:

@@ -1,8 +1,9 @@
 """The whole DAG with all 12 runs on the tiny sample world and the experiment flow (tests/test_dag.py runs five runs
 in `make test`): every run trains and is evaluated, the report carries its 12 claims with CIs;
-`dvc exp run -S runs.fsc_clip.lambda_l=0.2` re-runs exactly train@fsc_clip, eval@fsc_clip and report, and
-`dvc metrics diff` between baseline and experiment changes only metrics/fsc_clip.json and metrics/summary.json.
-Minutes on 2 cores: `make test-scale`."""
+`dvc exp run -S loss.lambda_l=0.2` re-runs exactly run_settings, train@ and eval@ of the runs that use lambda_L
+(fsc_clip and its ablation fsc_lhn_only; not fsc_global_only, which zeroes it, nor the mix, whose weights are its own
+terms) and report, and `dvc metrics diff` between baseline and experiment changes only those models' metrics and
+metrics/summary.json. Minutes on 2 cores: `make test-scale`."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def dag(tmp_path_factory):
     _git_commit(repo, "baseline")
     rec = {"repo": repo, "lock_baseline": _lock(repo), "stages": stages, "first_ran": first,
            "summary": json.loads((repo / "metrics" / "summary.json").read_text())}
-    exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "runs.fsc_clip.lambda_l=0.2")
+    exp = _run(repo, "dvc", "exp", "run", "-n", "l02", "-S", "loss.lambda_l=0.2")
     rec["exp_ran"] = RAN.findall(exp.stdout)
     rec["lock_exp"] = _lock(repo)
     rec["metrics_diff"] = json.loads(_run(repo, "dvc", "metrics", "diff", "--json", "HEAD").stdout)
@@ -57,24 +58,27 @@ def test_every_run_trains_and_the_report_carries_its_12_claims(dag):
         assert c["ci_low"] <= c["difference"] + 1e-9 and c["difference"] <= c["ci_high"] + 1e-9, c
 
 
-def test_exp_run_reruns_exactly_fsc_clip_its_eval_and_report(dag):
-    wanted = {"train@fsc_clip", "eval@fsc_clip", "report"}
+LAMBDA_L_RUNS = ("fsc_clip", "fsc_lhn_only")
+
+
+def test_exp_run_reruns_exactly_the_runs_that_use_lambda_l_their_evals_and_report(dag):
+    wanted = {"run_settings", "report"} | {f"{s}@{r}" for r in LAMBDA_L_RUNS for s in ("train", "eval")}
     assert set(dag["exp_ran"]) == wanted | {"benchmarks"}      # benchmarks re-lists (same output, lock unchanged)
     before, after = dag["lock_baseline"], dag["lock_exp"]
     assert before.keys() == after.keys()
     assert {name for name in before if before[name] != after[name]} == wanted
-    assert after["train@fsc_clip"]["params"]["params.yaml"]["runs.fsc_clip"]["lambda_l"] == 0.2
+    assert after["run_settings"]["params"]["params.yaml"]["loss"]["lambda_l"] == 0.2
 
 
-def test_metrics_diff_changes_only_fsc_clip_and_summary(dag):
+def test_metrics_diff_changes_only_those_models_and_summary(dag):
     files = {path for path, keys in dag["metrics_diff"].items() if keys}
-    assert files <= {"metrics/fsc_clip.json", "metrics/summary.json"}
+    assert files <= {f"metrics/{r}.json" for r in LAMBDA_L_RUNS} | {"metrics/summary.json"}
     assert "metrics/fsc_clip.json" in files
     summary_keys = dag["metrics_diff"].get("metrics/summary.json", {})
-    assert all("fsc_clip" in key for key in summary_keys), sorted(summary_keys)
+    assert all(any(r in key for r in LAMBDA_L_RUNS) for key in summary_keys), sorted(summary_keys)
     exp_metrics = {path for path, keys in dag["exp_diff"]["metrics"].items() if keys}
     assert exp_metrics == files
-    assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"runs.fsc_clip.lambda_l"}
+    assert set(dag["exp_diff"]["params"]["params.yaml"]) == {"loss.lambda_l"}
 
 
 def test_the_mulclip_terms_probe_follows_every_step_of_the_run(dag):

@@ -68,6 +68,7 @@ def test_two_ranks_started_by_the_stage_match_one_rank(tiny_project, tmp_path): 
 def test_two_nodes_meet_through_c10d_rendezvous_and_train(tiny_project, tmp_path):  # noqa: F811
     one = one_rank_run(tiny_project, tmp_path / "one")
     proj = tiny_project.clone(tmp_path / "nodes", TRAIN_INPUTS)   # one directory: the nodes' shared file system
+    run_stage(proj.root, "run_settings")                          # data/runs/clip.json, as DVC runs it first
     port = free_port()
     nodes = [subprocess.Popen([PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
                                "--nproc_per_node", "1", "--rdzv-backend", "c10d",

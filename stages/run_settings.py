@@ -1,0 +1,39 @@
+"""Stage `run_settings`: every run's effective settings -> data/runs/<run>.json (clipfinetune/runs.py `resolve_runs`).
+
+train@<run> depends on data/runs/<its run>.json instead of declaring params: a `foreach` cannot declare one run's
+`loss.*` keys, so this stage declares `loss`, `runs`, `train` and `model.precision` whole and writes each run's
+resolved settings (its method, constructor kwargs, merged training settings, precision) as deterministic bytes.
+`dvc exp run -S loss.lambda_l=0.2` re-runs this stage (a second), which rewrites only the files of the runs whose
+settings change; DVC then re-trains exactly those runs. Run by hand: python stages/run_settings.py --stage run_settings
+"""
+from __future__ import annotations
+
+import _common  # noqa: F401  (puts the repo on sys.path)
+from _common import start
+
+from clipfinetune.io import write_json
+from clipfinetune.runs import resolve_runs
+
+OUT = "data/runs"
+
+
+def resolved(params) -> dict[str, dict]:
+    """The declared params as the nested mapping `resolve_runs` takes."""
+    return resolve_runs({"loss": params["loss"], "runs": params["runs"], "train": params["train"],
+                         "model": {"precision": params["model.precision"]}})
+
+
+def main() -> None:
+    _, params, log = start(__doc__, "run_settings")
+    try:
+        runs = resolved(params)
+    except ValueError as e:              # a typo'd key, an unknown method, a clash: named, no traceback
+        raise SystemExit(f"stage {params.stage}: {e}") from None
+    for run, settings in runs.items():
+        write_json(f"{OUT}/{run}.json", settings)
+        log.info("%s: %s %s", run, settings["method"], settings["config"])
+    params.check_all_read()
+
+
+if __name__ == "__main__":
+    main()
