@@ -20,7 +20,7 @@ unchanged resumes; after `dvc exp run -S ...` or a code change the run starts fr
 from __future__ import annotations
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, stage_inputs, start
+from _common import ROOT, TrainingBatch, compute_device, stage_inputs, start
 
 LONG_CONTEXT = 248                      # Long-CLIP's stretched context (GOAL, MulCLIP: ctx.tokenize_long)
 
@@ -45,13 +45,23 @@ def run_settings(params, run: str, method: str, method_cls) -> tuple[dict, dict]
     return settings, {**config, **extras}
 
 
+def training_batch(args, params) -> TrainingBatch:
+    """The run's global batch and micro-batches, for the launcher's rank count (`_common.launch`)."""
+    from clipfinetune.methods import get_method
+
+    settings, _ = run_settings(params, args.run, args.method, get_method(args.method))
+    own = "batch_size" in (params[f"train.{args.method}"] or {})
+    return TrainingBatch(int(settings["batch_size"]), int(settings["accum_steps"]),
+                         f"train.{args.method}.batch_size" if own else "train.batch_size")
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--run", required=True, help="run name (the foreach key), e.g. clip, fsc_lhn_only")
     parser.add_argument("--method", required=True, help="method name, e.g. clip, fsc_clip")
 
 
 def main() -> None:
-    args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments)
+    args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments, training_batch)
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.io import write_json
@@ -73,7 +83,7 @@ def main() -> None:
     precision = params["model.precision"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    dist = init_distributed(params["compute.device"])
+    dist = init_distributed(compute_device())
     try:
         global_batch = int(settings["batch_size"])         # train.batch_size: the global batch (the papers')
         rank_batch = per_rank_batch_size(global_batch, dist.world_size)

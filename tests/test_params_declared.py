@@ -143,8 +143,6 @@ def test_each_train_run_reads_every_key_it_declares_and_builds_its_method(declar
         method_cls = get_method(item["method"])
         _settings, config = stage.run_settings(params, run, item["method"], method_cls)
         params["model.precision"]
-        params["compute.device"]                    # init_distributed's setting
-        sys.modules["_common"].stage_ranks(params)  # start(): ranks to launch (1 here: CPU)
         params.check_all_read()
         method_cls(**config)                        # every flattened key is a constructor argument
 
