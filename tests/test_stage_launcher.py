@@ -14,10 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
-import _common  # noqa: E402
-from _common import ITEMS, StageParams, TrainingBatch, launch  # noqa: E402
+import _common
+from _common import ITEMS, StageParams, TrainingBatch, launch
 
-from clipfinetune import compute  # noqa: E402
+from clipfinetune import compute
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "DVC_STAGE", "CUDA_VISIBLE_DEVICES")
 LOG = logging.getLogger("test")
