@@ -50,6 +50,7 @@ STAGE_SOURCE_KIND = {"word_regions": "short", "negatives": "short", "sentences":
 DOWNSTREAM = {"sentences": ["lism"], "segments": ["lism"]}
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1", ""}
 ITEM_SCRIPTS = {"stages/segments.py", "stages/lism.py", "stages/eval.py"}
+MINOR = {"sample", "method_code", "benchmarks", "report"}     # seconds to minutes at any size: left out of the summary
 
 
 @dataclass
@@ -126,17 +127,17 @@ def _read_dag(where: Path) -> list[DagStage]:
 
     out = []
     with Repo(str(where)) as repo:
-        order = {s.addressing: f"{n:05d}" for n, s in enumerate(repo.index.stages)}    # dvc.yaml's order
+        order = {id(s): f"{n:05d}" for n, s in enumerate(repo.index.stages)}    # dvc.yaml's order
         # dependencies first (DVC's graph points from a stage to the stages it depends on), else dvc.yaml's order
         graph = repo.index.graph.reverse(copy=True)
-        for stage in nx.lexicographical_topological_sort(graph, key=lambda s: order.get(s.addressing, "99999")):
+        for stage in nx.lexicographical_topological_sort(graph, key=lambda s: order.get(id(s), "99999")):
             if not getattr(stage, "cmd", None):
                 continue
             words = shlex.split(stage.cmd)
             script = next((w for w in words if w.endswith(".py")), "")
             args = {words[i][2:]: words[i + 1] for i in range(len(words) - 1) if words[i].startswith("--")}
             declared = [k for p in stage.params for k in (p.params if isinstance(p.params, list) else list(p.params))]
-            out.append(DagStage(stage.addressing, script, args, declared,
+            out.append(DagStage(stage.name, script, args, declared,
                                 [d.def_path for d in stage.deps if d.def_path != "params.yaml" and
                                  not d.def_path.startswith(("stages/", "clipfinetune/"))],
                                 [o.def_path for o in stage.outs]))
@@ -410,7 +411,8 @@ def make_plan(params: dict, root, hardware: Hardware, *, stages: list[DagStage] 
     return {"hardware": {**asdict(hardware), "device": device, "rank_gpus": gpus, "compute": compute},
             "stages": [asdict(r) for r in rows], "refusals": [asdict(r) for r in refusals], "warnings": warnings,
             "total_seconds": sum(known) if known else None,
-            "unknown_time": _grouped([r.stage for r in rows if r.seconds is None and r.kind != "export"]),
+            "unknown_time": _grouped([r.stage for r in rows if r.seconds is None and r.kind != "export"
+                                      and r.stage not in MINOR]),
             "ok": not refusals}
 
 
@@ -483,6 +485,8 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
             row.steps_per_epoch = math.ceil(units / global_batch)
         else:
             row.coverage = "unknown"
+            row.notes.append("units unknown until the data stages ran (e.g. word-region pairs: `dvc repro "
+                             "word_regions@coco`, then plan again)")
     if (sizes("models/base") or 0) and row.outputs_bytes is None:
         row.outputs_bytes, row.outputs_note = sizes("models/base"), "estimated (models/base's size)"
     f = find_figure(figures, kind, "train_step", str(_get(params, "model.name")), method)
@@ -507,7 +511,7 @@ def _estimated_units(params: dict, run: dict, records, root: Path) -> int | None
                    and (bool(r.long_caption) if long else bool(r.captions))]
     units = len(wanted)
     if run["train"].get("epoch_unit") == "method" and run["method"] != "custom":
-        if run["method"] == "harmoclip":
+        if run["method"] == "harmoclip":            # word-region pairs: counted once word_regions has written them
             table = root / "data" / "prepared" / "word_regions.parquet"
             if not table.is_file():
                 return None
@@ -692,18 +696,15 @@ def _sample_sets_on_real_model(params: dict) -> list[Refusal]:
     """A real model (model.pretrained set) scored on the sample world's sets: meaningless numbers in the report."""
     if not _get(params, "model.pretrained"):
         return []
-    out = []
-    for task, by_set in (_get(params, "eval.benchmarks") or {}).items():
-        for name, cfg in (by_set or {}).items():
-            if cfg and "data/sample" in json.dumps(cfg):
-                out.append(Refusal("", f"eval.benchmarks.{task}.{name}",
-                                   "a sample-world set scored on a real model (model.pretrained is set)",
-                                   [f"eval.benchmarks.{task}.{name}: null"]))
-    report = _get(params, "eval.report.set")
-    if out and report == "sample":
-        out.append(Refusal("", "eval.report.set", "the report reads the sample-world sets",
-                           ["eval.report.set: real"]))
-    return out
+    keys = [f"eval.benchmarks.{task}.{name}" for task, by_set in (_get(params, "eval.benchmarks") or {}).items()
+            for name, cfg in (by_set or {}).items() if cfg and "data/sample" in json.dumps(cfg)]
+    if not keys:
+        return []
+    fixes = [f"{k}: null" for k in keys] + (["eval.report.set: real"] if _get(params, "eval.report.set") == "sample"
+                                            else [])
+    return [Refusal("", keys[0] if len(keys) == 1 else "eval.benchmarks",
+                    f"{len(keys)} sample-world set(s) would score a real model (model.pretrained is set): "
+                    f"{', '.join(keys)}", fixes)]
 
 
 def _llm_beside_ranks(stages, params, compute, hardware, up_to_date) -> tuple[list[Refusal], list[str]]:
@@ -742,7 +743,12 @@ def _missing_inputs(params, root, stages, leakage, timeout, warnings) -> list[Re
     produced = [o for s in stages for o in s.outs]
     out = []
     for f in check(params, root, timeout, produced=produced, leakage_check=leakage):
-        if f.missing:
+        if f.missing and f.key.startswith("negatives."):
+            out.append(Refusal("", f.key, f"no LLM endpoint: {f.message}",
+                               [f"start the server first: vllm serve {_get(params, 'negatives.model')} "
+                                "--generation-config vllm (recipes/degla.yaml: on its own GPU)",
+                                "negatives.backend: offline"]))
+        elif f.missing:
             out.append(Refusal("", f.key, f"missing input: {f.message}",
                                [f"{f.key}: a path that exists (params.real.yaml lists the layouts), or provide it"]))
         else:

@@ -24,14 +24,14 @@ METRICS = Path("metrics/negatives.json")
 
 
 def make_backend(p: StageParams):
-    from clipfinetune.data.negatives.degla.llm import OfflineBackend, ServerBackend
+    from clipfinetune.data.negatives.degla.llm import TOP_P, OfflineBackend, ServerBackend
     from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 
     # read every declared key whatever the backend, so dvc.yaml and the code cannot drift apart
     cfg = {k: p[f"negatives.{k}"] for k in ("backend", "base_url", "model", "api_key_env", "concurrency",
                                             "timeout", "max_retries", "backoff", "max_tokens",
                                             "temperature", "seed")}
-    sampling = f"t={cfg['temperature']},max_tokens={cfg['max_tokens']},seed={cfg['seed']}"
+    sampling = f"t={cfg['temperature']},top_p={TOP_P},max_tokens={cfg['max_tokens']},seed={cfg['seed']}"
     if cfg["backend"] == "rules":
         return RulesBackend(seed=int(cfg["seed"])), cfg
     if cfg["backend"] == "server":
