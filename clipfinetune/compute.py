@@ -137,6 +137,9 @@ def gpu_locks(gpu_ids: list[str], on_wait=None, lock_dir: Path | None = None):
     that stages of concurrent experiments on one host (`dvc queue start -j N`) never share a card: a stage waits for
     the cards another holds (`on_wait(ids)` is called once before waiting). Locks are taken in sorted order (no
     deadlock between two stages wanting overlapping sets) and released by the OS if the process dies."""
+    if not gpu_ids:                   # the CPU: nothing to share
+        yield
+        return
     lock_dir = Path(lock_dir or LOCK_DIR)
     lock_dir.mkdir(parents=True, exist_ok=True)
     held = []

@@ -745,8 +745,8 @@ def _missing_inputs(params, root, stages, leakage, timeout, warnings) -> list[Re
     for f in check(params, root, timeout, produced=produced, leakage_check=leakage):
         if f.missing and f.key.startswith("negatives."):
             out.append(Refusal("", f.key, f"no LLM endpoint: {f.message}",
-                               [f"start the server first: vllm serve {_get(params, 'negatives.model')} "
-                                "--generation-config vllm (recipes/degla.yaml: on its own GPU)",
+                               [(f"start the server first: vllm serve {_get(params, 'negatives.model')} "
+                                "--generation-config vllm (recipes/degla.yaml: on its own GPU)"),
                                 "negatives.backend: offline"]))
         elif f.missing:
             out.append(Refusal("", f.key, f"missing input: {f.message}",

@@ -202,7 +202,7 @@ def test_epoch_coverage_comes_from_the_loader_and_under_100_percent_is_refused(t
         asked.append((Path(shards_dir), split, type(method).__name__, kw))
         return {"units": 1000, "steps_per_epoch": 8, "seen": 960, "repeated": 40}
 
-    import clipfinetune.data.loader as loader
+    from clipfinetune.data import loader
 
     monkeypatch.setattr(loader, "epoch_coverage", coverage, raising=False)
     try:
