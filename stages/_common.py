@@ -219,6 +219,15 @@ def stage_ranks(stage: str, request, compute: dict, visible: list[str]) -> tuple
 _HELD = contextlib.ExitStack()       # a one-process GPU stage's card lock, held until the process exits
 
 
+def hold_gpus(gpus: list[str], log) -> None:
+    """Lock these GPUs until this process exits (`compute.gpu_locks`), waiting for a stage of a concurrent
+    experiment that holds one: a one-process GPU stage (or vLLM's offline engine in `negatives`)."""
+    from clipfinetune.compute import gpu_locks
+
+    _HELD.enter_context(gpu_locks(gpus, on_wait=lambda gpu: log.info(
+        "waiting for GPU %s: another stage holds it (a queued experiment beside this one)", gpu)))
+
+
 def launch(params: StageParams, request, log) -> None:
     """Run this stage as its ranks (`stage_ranks`): one process stays as it is; N > 1 re-runs the stage through
     PyTorch's launcher (torch.distributed.run, standalone rendezvous on this node) with CUDA_VISIBLE_DEVICES set to
@@ -232,11 +241,11 @@ def launch(params: StageParams, request, log) -> None:
     if request not in (None, ITEMS) and gpus and len(gpus) < usable:
         log.info("%d rank(s) on GPU(s) %s: %s %d splits evenly over no more of them (clipfinetune plan names the "
                  "batch sizes that use every GPU)", nproc, ",".join(gpus), request.param, request.global_batch)
+    if nproc <= 1:
+        hold_gpus(gpus, log)
+        return
     locks = gpu_locks(gpus, on_wait=lambda gpu: log.info("waiting for GPU %s: another stage holds it (a queued "
                                                          "experiment beside this one)", gpu))
-    if nproc <= 1:
-        _HELD.enter_context(locks)
-        return
     import subprocess
 
     # "--" ends the launcher's options: its parser would take a stage's `--run` for an abbreviated `--run-path`
