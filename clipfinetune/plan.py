@@ -400,6 +400,7 @@ def make_plan(params: dict, root, hardware: Hardware, *, stages: list[DagStage] 
             _data_row(row, st, params, figures, records, sizes)
         rows.append(row)
 
+    warnings[:] = _merge_same(warnings)
     if hardware.nodes > 1:
         warnings.append(f"{hardware.nodes} nodes: `dvc repro` starts ranks on this node only; run each model stage "
                         "under torchrun on every node, then `dvc commit -f <stage>` (docs/scale.md, Several nodes)")
@@ -408,7 +409,10 @@ def make_plan(params: dict, root, hardware: Hardware, *, stages: list[DagStage] 
                         "cards one at a time (a lock per GPU), only the data stages overlap; -j 1 is as fast for "
                         "GPU-bound work")
     known = [r.seconds for r in rows if r.seconds is not None]
-    return {"hardware": {**asdict(hardware), "device": device, "rank_gpus": gpus, "compute": compute},
+    sized = [r.outputs_bytes for r in rows if r.outputs_bytes is not None]
+    disk = {"outputs_bytes": sum(sized) if sized else None, "stages_unsized": len(rows) - len(sized),
+            "cache_type": _cache_type(root)}
+    return {"disk": disk, "hardware": {**asdict(hardware), "device": device, "rank_gpus": gpus, "compute": compute},
             "stages": [asdict(r) for r in rows], "refusals": [asdict(r) for r in refusals], "warnings": warnings,
             "total_seconds": sum(known) if known else None,
             "unknown_time": _grouped([r.stage for r in rows if r.seconds is None and r.kind != "export"
@@ -424,6 +428,35 @@ def _grouped(names: list[str]) -> list[str]:
         counts[base] = counts.get(base, 0) + 1
     return [f"{b} ({c})" if c > 1 else (b if not b.endswith("@*") else next(n for n in names if n.startswith(b[:-1])))
             for b, c in counts.items()]
+
+
+def _merge_same(warnings: list[str]) -> list[str]:
+    """"train@a: 4 of 7 GPUs ..." and "train@b: 4 of 7 GPUs ..." (the same text after the stage) -> one line naming
+    both stages."""
+    out: dict[str, list[str]] = {}
+    for w in warnings:
+        stage, sep, rest = w.partition(": ")
+        if sep and "@" in stage and " " not in stage:
+            out.setdefault(rest, []).append(stage)
+        else:
+            out.setdefault(w, [])
+    return [f"{', '.join(stages)}: {text}" if stages else text for text, stages in out.items()]
+
+
+def _cache_type(root: Path) -> str:
+    """`cache.type` of the project's DVC config (config.local over config): links hold outputs once, copy twice."""
+    import configparser
+
+    kind = "reflink,copy (DVC's default)"
+    for name in ("config", "config.local"):
+        cp = configparser.ConfigParser()
+        try:
+            cp.read(root / ".dvc" / name)
+        except configparser.Error:
+            continue
+        if cp.has_option("cache", "type"):
+            kind = cp.get("cache", "type")
+    return kind
 
 
 # ---------------------------------------------------------------------------------------------- stage rows
@@ -790,6 +823,11 @@ def render(plan: dict) -> str:
     total = plan["total_seconds"]
     lines.append(f"estimated time of the stages with a measured rate: {_fmt_seconds(total)}"
                  + (f"; unknown (nothing measured): {', '.join(plan['unknown_time'])}" if plan["unknown_time"] else ""))
+    disk = plan["disk"]
+    copies = "once (linked from the cache)" if any(k in disk["cache_type"] for k in ("hardlink", "symlink")) else \
+        "up to twice (workspace and cache: cache.type " + disk["cache_type"] + ")"
+    lines.append(f"disk: outputs {_fmt_bytes(disk['outputs_bytes'])} as built or estimated "
+                 f"({disk['stages_unsized']} stages not sized), held {copies}")
     sources = sorted({r["time_source"] for r in plan["stages"] if r["seconds"] is not None})
     lines += [f"  rate: {s}" for s in sources]
     notes = [f"  {r['stage']}: {n}" for r in plan["stages"] for n in r["notes"]]
