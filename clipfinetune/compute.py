@@ -128,7 +128,7 @@ def batch_fixes(global_batch: int, ranks: int, accum_steps: int = 1) -> list[int
 
 
 # ------------------------------------------------------------------------------------------------ GPU locks
-LOCK_DIR = Path(tempfile.gettempdir()) / "clipfinetune-gpus"
+LOCK_DIR = Path(tempfile.gettempdir()) / f"clipfinetune-gpus-{os.getuid()}"   # per user: another's files are not ours
 
 
 @contextlib.contextmanager
@@ -145,7 +145,7 @@ def gpu_locks(gpu_ids: list[str], on_wait=None, lock_dir: Path | None = None):
     held = []
     try:
         for gpu in sorted(gpu_ids):
-            fd = os.open(lock_dir / f"gpu-{gpu}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(lock_dir / f"gpu-{gpu}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             held.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
