@@ -887,7 +887,12 @@ def main(argv=None) -> int:
     kind = args.gpu_kind or (name if seen else ("cpu" if gpus == 0 else "unknown GPU (--gpu-kind)"))
     nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
     own = params_path.resolve() == root.resolve() / "params.yaml"
-    plan = make_plan(params, root, Hardware(gpus, nodes, kind), stages=dag_stages(root, params_path),
+    try:
+        stages = dag_stages(root, params_path)
+    except Exception as e:  # noqa: BLE001  dvc.yaml's ${...} or foreach do not resolve: `dvc repro` would stop too
+        print(f"REFUSED: DVC cannot read the pipeline of {root} with {params_path}: {type(e).__name__}: {e}")
+        return 1
+    plan = make_plan(params, root, Hardware(gpus, nodes, kind), stages=stages,
                      leakage=args.leakage, timeout=args.timeout, stage_up_to_date=_up_to_date(root) if own else None)
     plan["seconds_to_plan"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(plan, indent=2, default=str) if args.json else render(plan))
