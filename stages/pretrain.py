@@ -70,6 +70,7 @@ def main() -> None:
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
     from clipfinetune.train import (
+        Monitor,
         TrainConfig,
         Trainer,
         cleanup,
@@ -109,14 +110,16 @@ def main() -> None:
         check_ranks_agree(fp, dist)
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
         trainer = Trainer(method, model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
-                          live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
-        if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
+                          fingerprint=fp, dist=dist, desc="pretrain")
+        resumed = trainer.resume()
+        if label_steps and not resumed:                # a resumed run already holds the warmed-up weights
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             label_warmup(model, source.images, source.labels, steps=label_steps,
                          lr=float(settings["label_warmup_lr"]), batch_size=global_batch, warmup=cfg.warmup,
                          wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
                          regions=source.regions if warmup_regions else None, precision=cfg.precision)
-        trainer.fit()
+        with Monitor(live_dir, trainer.total_steps, trainer.step, resumed, dist.is_main, "pretrain") as monitor:
+            trainer.fit(monitor)
         if dist.is_main:
             export_model(model, out)
             write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size,
