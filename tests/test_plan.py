@@ -225,6 +225,24 @@ def test_epoch_coverage_comes_from_the_loader_and_under_100_percent_is_refused(t
     assert t["units"] == t["seen"] == tree["counts"]["coco_train_captions"]
 
 
+def test_with_the_shards_built_the_plan_reads_the_loaders_exact_coverage(tree):
+    """The real `epoch_coverage` over shards the `shards` stage wrote (FSC-CLIP's recipe: Karpathy train + restval):
+    every caption once an epoch, at 8 ranks x the recipe's workers."""
+    params, stages = recipe_params(tree, "fsc_clip")
+    root = tree["root"]
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    try:
+        subprocess.run([sys.executable, "stages/shards.py", "--stage", "shards"], cwd=root, check=True,
+                       capture_output=True, text=True)
+        t = row(make(tree, params, stages, 8), "train@fsc_clip")
+    finally:
+        import shutil
+
+        shutil.rmtree(root / "data" / "shards", ignore_errors=True)
+    assert t["coverage"] == "exact" and t["units"] == t["seen"] > 0 and t["repeated"] == 0, t
+    assert t["steps_per_epoch"] == -(-t["units"] // t["global_batch"])
+
+
 def test_missing_inputs_are_refused(tree):
     params, stages = recipe_params(tree, "fsc_clip", sources={"coco": {"captions": "datasets/coco/nowhere.json"}})
     (r,) = refusals(make(tree, params, stages, 1), "sources.coco.captions")
