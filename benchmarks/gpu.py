@@ -292,7 +292,37 @@ def main(log=print) -> int:
               f"{r['tflops'] / peak:.0%} | {r['peak_gb']:.1f} |")
     from .common import WORK
 
+    record_steps(torch.cuda.get_device_name(0), rows)
     extra = extra_rows(model_dir, WORK / "gpu_rows", SIZES["gpu"], "cuda", "bf16", log)
     print(f"ViT-B-16 bf16, batch {BATCH}, {SIZES['gpu']['workers']} loader workers, 640 x 480 JPEG shards")
     print_extra(extra)
+    record_extra(torch.cuda.get_device_name(0), extra)
     return 0
+
+
+def record_steps(device: str, rows: list[dict]) -> None:
+    """The step table into benchmarks/calibration.json (the rates `clipfinetune plan` estimates training with)."""
+    from .calibration import record, source
+
+    src = source("python -m benchmarks --gpu")
+    record([{"device": device, "what": "train_step", "arch": "ViT-B-16", "method": r["method"],
+             "value": round(r["samples_per_s"], 1), "unit": "samples/s", "per": "GPU",
+             "settings": f"Trainer.train_step, 224 px, bf16 autocast, batch {BATCH}, random init; no loader",
+             "source": f"{src}: {r['ms_per_step']:.1f} ms/step"} for r in rows])
+
+
+def record_extra(device: str, extra: dict) -> None:
+    from .calibration import record, source
+
+    src, size = source("python -m benchmarks --gpu"), SIZES["gpu"]
+    w, h = size["sam_size"]
+    record([{"device": device, "what": "segments", "arch": "sam_vit_b", "method": "",
+             "value": round(extra["sam"]["median_seconds_per_image"], 3), "unit": "s/image", "per": "GPU",
+             "settings": f"segments' segmenter, {size['sam_points']} x {size['sam_points']} points, {w} x {h} images",
+             "source": src},
+            {"device": device, "what": "eval_images", "arch": "ViT-B-16", "method": "",
+             "value": round(extra["eval"]["images_per_s"], 1), "unit": "images/s", "per": "GPU",
+             "settings": "Encoder.images: JPEG decode, transform, fp32 forward", "source": src},
+            {"device": device, "what": "lism_crops", "arch": "ViT-B-16", "method": "",
+             "value": round(extra["lism"]["crops_per_s"], 1), "unit": "crops/s", "per": "GPU",
+             "settings": f"match_images, {size['lism_boxes']} boxes per image", "source": src}])

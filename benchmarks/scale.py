@@ -239,6 +239,24 @@ def rehearsal(fraction: float = 1.0, log=print) -> list[dict]:
     return rows
 
 
+def record_rates(rows: list[dict]) -> None:
+    """The CPU data stages' rates at full size into benchmarks/calibration.json (`clipfinetune plan`'s estimates)."""
+    from .calibration import record, source
+
+    counts = rows[0]["result"]
+    by = {r["stage"]: r for r in rows if r.get("error") is None}
+    src = source("python -m benchmarks --scale")
+    figures = []
+    for stage, n, unit in (("word_regions", counts["captions"], "captions/s"),
+                           ("sentences", counts["docci"], "descriptions/s")):
+        if stage in by:
+            figures.append({"device": "cpu", "what": stage, "arch": "", "method": "",
+                            "value": round(n / by[stage]["seconds"], 1), "unit": unit, "per": "process",
+                            "settings": f"{stage} library code on the COCO-sized corpus",
+                            "source": f"{src}: {by[stage]['seconds']:.1f} s"})
+    record(figures)
+
+
 def table(rows: list[dict], fraction: float) -> str:
     head = ["stage", "wall s", "peak GB", "target (2 cores)", "pass", "what"]
     body = []
@@ -257,4 +275,6 @@ def table(rows: list[dict], fraction: float) -> str:
 def main(fraction: float) -> int:
     rows = rehearsal(fraction, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(rows, fraction))
+    if fraction == 1.0:
+        record_rates(rows)
     return 0 if all(r.get("error") is None for r in rows) else 1

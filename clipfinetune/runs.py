@@ -88,6 +88,12 @@ def resolve_run(name: str, run: dict, loss: dict, owners: dict[str, str], shared
     return {"method": method, "config": {**weights, **extras, **changes}, "train": settings, "precision": precision}
 
 
+def batch_param(params: dict, method: str) -> str:
+    """The param that sets a method's runs' global batch: `train.<method>.batch_size` where the method overrides it."""
+    own = (params.get("train") or {}).get(method) or {}
+    return f"train.{method}.batch_size" if "batch_size" in own else "train.batch_size"
+
+
 def resolve_runs(params: dict) -> dict[str, dict]:
     """Every run of params `runs` -> its effective settings: {"method", "config" (the method's constructor kwargs:
     its weights from `loss`, the run's own changes, its `train.<method>` extras), "train" (train.* merged with

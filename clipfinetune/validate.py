@@ -171,7 +171,7 @@ def check_endpoint(base_url: str, model: str, timeout: float) -> list[Finding]:
             body = json.loads(resp.read().decode() or "{}")
     except (urllib.error.URLError, OSError, ValueError) as e:
         return [Finding("negatives.base_url", f"GET {url} failed ({getattr(e, 'reason', e)}): is the vLLM server "
-                                              f"running? (`vllm serve {model}`)")]
+                                              f"running? (`vllm serve {model} --generation-config vllm`)")]
     served = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
     if model not in served:
         return [Finding("negatives.model", f"{model!r} is not served at {url} (serving: {served})")]

@@ -7,6 +7,10 @@ ends with `params.check_all_read()`.
 A stage sees only the params dvc.yaml declares for it (`dvc.api.params_show(stages=[name])`), and
 `StageParams.check_all_read()` fails if a declared key was never read, so dvc.yaml and the code cannot
 drift apart (a stale declaration would re-run a stage for nothing).
+
+The `compute` group (GPUs, ranks) is the exception: the hardware, not an experiment parameter, so no stage declares
+it and this module reads it from params.yaml (`compute_settings`); `launch` starts a model stage's ranks by the rules
+of `clipfinetune.compute`.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import contextlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # Before torch loads: idle OpenMP threads sleep instead of spinning. With loader workers or a second stage
@@ -111,31 +116,84 @@ def stage_inputs(stage: str) -> dict[str, str]:
     return out
 
 
-def start(doc: str, default_stage=None, add_arguments=None):
+def start(doc: str, default_stage=None, add_arguments=None, ranks=None):
     """Parse `--stage` (plus the stage's own arguments, added by `add_arguments(parser)`), load the params dvc.yaml
-    declares for the stage and set up logging. The stage name: --stage, else $DVC_STAGE, else `default_stage`
-    (a string, or for a `foreach` stage a function of the parsed arguments, e.g. `lambda a: f"eval@{a.model}"`)."""
+    declares for the stage, set up logging and, for a model stage, start its ranks (`launch`). The stage name:
+    --stage, else $DVC_STAGE, else `default_stage` (a string, or for a `foreach` stage a function of the parsed
+    arguments, e.g. `lambda a: f"eval@{a.model}"`). `ranks`: None = one process (a data stage); ITEMS = an item
+    stage (every GPU); or a function (args, params) -> TrainingBatch | None for a training stage (None: one process,
+    e.g. pretrain with real weights)."""
     parser = stage_parser((doc or "").strip().splitlines()[0] if doc else "")
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
     default = default_stage(args) if callable(default_stage) else default_stage
     params = stage_params(args.stage or os.environ.get("DVC_STAGE") or default)
-    relaunch_as_ranks(params)
-    return args, params, setup_logging(params.stage)
+    log = setup_logging(params.stage)
+    if ranks is not None:
+        launch(params, ranks if ranks == ITEMS else ranks(args, params), log)
+    return args, params, log
 
 
-def start_preparing(doc: str, stage: str):
+def start_preparing(doc: str, stage: str, ranks=None):
     """`start` for a data stage that prepares one source's table: dvc.yaml runs it once per entry of its params
     `<stage>.sources` (`foreach`, stage `<stage>@<source>`), so `[]` leaves it out of the DAG when no run of the
     configuration reads its table. Returns (the source's name, params, logger)."""
     args, params, log = start(doc, lambda a: f"{stage}@{a.source}", lambda p: p.add_argument(
-        "--source", help=f"the source this run of `{stage}` prepares (one entry of {stage}.sources)"))
+        "--source", help=f"the source this run of `{stage}` prepares (one entry of {stage}.sources)"), ranks)
     listed = list(params[f"{stage}.sources"])
     if len(listed) != 1 or args.source not in (None, listed[0]):
         raise SystemExit(f"stage {params.stage}: {stage}.sources is {listed}: the stage writes one table, so it "
                          f"prepares one source; list exactly one, or [] to leave the stage out")
     return listed[0], params, log
+
+
+# --------------------------------------------------------------------------------------------- compute and ranks
+ITEMS = "items"        # `start(..., ranks=ITEMS)`: an item stage (segments, lism, eval): every GPU, any count
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """What a training stage tells the launcher: its global batch, micro-batches per rank, and the param that sets
+    the batch (named in the error when it does not split)."""
+    global_batch: int
+    accum_steps: int = 1
+    param: str = "train.batch_size"
+
+
+def params_yaml() -> dict:
+    """params.yaml as a whole, for what no stage declares: the hardware (`compute`), and the name of a param an error
+    points at."""
+    import yaml
+
+    return yaml.safe_load((ROOT / "params.yaml").read_text()) or {}
+
+
+def compute_settings() -> dict:
+    """params.yaml's `compute` group, checked (clipfinetune.compute): the hardware, read here from the file and
+    declared by no stage in dvc.yaml, so that a change of GPUs or ranks re-runs nothing (what a stage computes does
+    not depend on it: docs/scale.md)."""
+    from clipfinetune import compute
+
+    values = params_yaml().get("compute")
+    try:
+        return compute.settings(values)
+    except compute.ComputeError as e:
+        raise SystemExit(f"params.yaml: {e}") from e
+
+
+def compute_device() -> str:
+    """`compute.device` (auto | cpu | cuda) for `clipfinetune.distributed.init_distributed`."""
+    return compute_settings()["device"]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them (indices when it is unset); [] without CUDA."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    named = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return (named or [str(i) for i in range(count)])[:count]
 
 
 # set by torchrun (RANK, WORLD_SIZE) or SLURM's srun (SLURM_PROCID): the process is one rank already
@@ -145,33 +203,68 @@ def launched_as_rank() -> bool:
     return "RANK" in os.environ or "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
-def stage_ranks(params: StageParams) -> int:
-    """Ranks a model stage runs as, from `compute.nproc` (auto = every visible GPU when the stage uses CUDA, 1 on
-    the CPU; an integer N = N ranks, gloo ranks on the CPU). 1 for a stage that does not declare it."""
-    setting = params.get("compute.nproc", 1)
-    if setting == "auto":
-        import torch
+def stage_ranks(stage: str, request, compute: dict, visible: list[str]) -> tuple[int, list[str], int]:
+    """(ranks, the GPUs they take) of a stage on this node (clipfinetune.compute's rules): an item stage every GPU
+    the ranks may use (`compute.nproc`), a training stage the largest count that splits its global batch
+    (`compute.train_nproc`), a data stage one process; and how many GPUs the ranks could have used. A setting that
+    cannot run exits naming the values that can."""
+    from clipfinetune import compute as rules
 
-        uses_cuda = params.get("compute.device", "auto") != "cpu" and torch.cuda.is_available()
-        return max(torch.cuda.device_count(), 1) if uses_cuda else 1
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise SystemExit(f"stage {params.stage}: compute.nproc must be auto or a positive integer, got {setting!r}")
-    return setting
+    if request is None:
+        return 1, [], 0
+    cuda = rules.uses_cuda(compute, len(visible))
+    try:
+        gpus = rules.rank_gpus(compute, visible) if cuda else []
+        most = rules.item_ranks(compute, len(gpus), cuda)
+        n = most if request == ITEMS else rules.training_ranks(compute, request.global_batch, most,
+                                                               accum_steps=request.accum_steps, param=request.param)
+    except rules.ComputeError as e:
+        raise SystemExit(f"stage {stage}: {e}. Values that work: {', '.join(e.fixes) or 'none'}") from e
+    return n, gpus[:n], len(gpus)
 
 
-def relaunch_as_ranks(params: StageParams) -> None:
-    """Re-run this stage as `stage_ranks` ranks through PyTorch's launcher (torch.distributed.run, standalone
-    rendezvous on this node), exiting with its exit code; under torchrun or srun already, join as we are."""
-    nproc = stage_ranks(params)
-    if nproc <= 1 or launched_as_rank():
+_HELD = contextlib.ExitStack()       # a one-process GPU stage's card lock, held until the process exits
+
+
+def hold_gpus(gpus: list[str], log) -> None:
+    """Lock these GPUs until this process exits (`compute.gpu_locks`), waiting for a stage of a concurrent
+    experiment that holds one: a one-process GPU stage (or vLLM's offline engine in `negatives`)."""
+    from clipfinetune.compute import gpu_locks
+
+    _HELD.enter_context(gpu_locks(gpus, on_wait=lambda gpu: log.info(
+        "waiting for GPU %s: another stage holds it (a queued experiment beside this one)", gpu)))
+
+
+def launch(params: StageParams, request, log) -> None:
+    """Run this stage as its ranks (`stage_ranks`): one process stays as it is; N > 1 re-runs the stage through
+    PyTorch's launcher (torch.distributed.run, standalone rendezvous on this node) with CUDA_VISIBLE_DEVICES set to
+    its GPUs, exiting with its exit code. The GPUs are locked while the stage runs (`compute.gpu_locks`: concurrent
+    queue jobs on one host wait for each other's cards). Under torchrun or srun already, the process joins as it is."""
+    if launched_as_rank():
         return
+    from clipfinetune.compute import gpu_locks
+
+    nproc, gpus, usable = stage_ranks(params.stage, request, compute_settings(), visible_gpus())
+    if request not in (None, ITEMS) and gpus and len(gpus) < usable:
+        log.info("%d rank(s) on GPU(s) %s: %s %d splits evenly over no more of them (clipfinetune plan names the "
+                 "batch sizes that use every GPU)", nproc, ",".join(gpus), request.param, request.global_batch)
+    if nproc <= 1:
+        hold_gpus(gpus, log)
+        return
+    locks = gpu_locks(gpus, on_wait=lambda gpu: log.info("waiting for GPU %s: another stage holds it (a queued "
+                                                         "experiment beside this one)", gpu))
     import subprocess
 
     # "--" ends the launcher's options: its parser would take a stage's `--run` for an abbreviated `--run-path`
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--",
            sys.argv[0], *sys.argv[1:]]
     env = {**os.environ, "DVC_STAGE": params.stage}     # the ranks resolve the same stage name
-    raise SystemExit(subprocess.call(cmd, env=env))
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    log.info("launching %d ranks%s", nproc, f" on GPU(s) {','.join(gpus)}" if gpus else " (gloo, CPU)")
+    with locks:
+        code = subprocess.call(cmd, env=env)
+    raise SystemExit(code)
 
 
 def source_specs(params: StageParams, names) -> dict[str, dict]:

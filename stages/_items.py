@@ -1,7 +1,8 @@
 """What the item stages (segments, lism, eval) share: their device and ranks, and their per-rank part files.
 
-`compute.device` (auto | cpu | cuda) goes through the one device rule (`clipfinetune.distributed`): under
-torchrun each rank takes `cuda:LOCAL_RANK` when CUDA is used, else the CPU. The items are split into fixed work
+`compute.device` (auto | cpu | cuda; params.yaml's hardware group, which no stage declares: stages/_common.py) goes
+through the one device rule (`clipfinetune.distributed`): under torchrun each rank takes `cuda:LOCAL_RANK` when CUDA
+is used, else the CPU. A stage is started as every GPU's rank (`_common.start(..., ranks=ITEMS)`). The items are split into fixed work
 units across the ranks; parts live under data/cache/<stage>/<fingerprint>/ (`clipfinetune.parts`), outside DVC's
 outputs, so a killed run resumes from them; rank 0 merges them and writes the outputs.
 """
@@ -18,13 +19,11 @@ CACHE_ROOT = "data/cache"        # relative to the working directory (the projec
 
 
 def setup_device(params):
-    """DistInfo (rank, world_size, local_rank, device) from `compute.device` and torchrun's environment."""
+    """DistInfo (rank, world_size, local_rank, device) from `compute.device` (read by `_common.compute_settings`,
+    not a declared param: the outputs do not depend on it) and torchrun's environment."""
     from clipfinetune.distributed import init_distributed
 
-    setting = params.get("compute.device", "auto")
-    if setting not in ("auto", "cpu", "cuda"):
-        raise SystemExit(f"stage {params.stage}: compute.device must be auto, cpu or cuda, got {setting!r}")
-    return init_distributed(None if setting == "auto" else setting)
+    return init_distributed(_common.compute_device())
 
 
 def part_store(params, settings: dict, device, codec: str = "json") -> parts.PartStore:

@@ -19,7 +19,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo root on sys.path)
 import _items
 import torch
-from _common import start
+from _common import ITEMS, start
 
 from clipfinetune.eval import sharded
 from clipfinetune.eval.items import METRICS_KEY, to_frame
@@ -38,7 +38,7 @@ def load_exported(name: str, device="cpu"):
 
 def main() -> None:
     args, params, log = start(__doc__, lambda a: "eval_base" if a.model == "base" else f"eval@{a.model}", lambda p: p.add_argument(
-        "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"))
+        "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"), ITEMS)
     if params["eval.threads"]:
         torch.set_num_threads(int(params["eval.threads"]))
     dist = _items.setup_device(params)

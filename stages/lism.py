@@ -21,7 +21,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repo on sys.path)
 import _items
 import pandas as pd
-from _common import source_specs, start_preparing
+from _common import ITEMS, source_specs, start_preparing
 
 from clipfinetune.data.benchmarks.global_local import place_files, write_test_list
 from clipfinetune.data.prepare.lism import (
@@ -51,7 +51,7 @@ def load_model_for_lism(name: str, pretrained: str, device="cpu"):
 
 
 def main() -> None:
-    name, params, log = start_preparing(__doc__, "lism")
+    name, params, log = start_preparing(__doc__, "lism", ITEMS)
     dist = _items.setup_device(params)
     records = sorted(read_source(name, source_specs(params, name)[name]), key=lambda r: r.image_id)
     sentences = pd.read_parquet(params["lism.sentences"])

@@ -1,7 +1,10 @@
 """Stage `negatives`: DeGLA's hard negatives (5 rewrite types, merged to K = 4) for the training captions.
 
 Backends (`negatives.backend`): `rules` (spaCy/WordNet, CPU; the sample world's default), `server` (any
-OpenAI-compatible endpoint such as `vllm serve`), `offline` (`vllm.LLM`). Answers are cached in
+OpenAI-compatible endpoint such as `vllm serve`), `offline` (`vllm.LLM`). GPUs: a server on this host runs on the
+cards `compute.llm_gpus` keeps out of the model stages' ranks (the last ones: recipes/degla.yaml starts it there);
+the offline engine runs inside this stage on the first visible GPU, locked against concurrent queued stages
+(`compute.gpu_locks`), and frees it when the stage ends. Both sample alike (llm.py TOP_P). Answers are cached in
 `negatives.cache_dir` (outside DVC's outputs), so a re-run asks nothing already answered. A request still
 unanswered after its retries fails the stage (exit status 1, the count in the message) unless there are at most
 `negatives.max_failures` of them; the re-run then asks only the missing ones.
@@ -16,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import StageParams, source_specs, start_preparing
+from _common import StageParams, hold_gpus, source_specs, start_preparing, visible_gpus
 
 OUT = Path("data/prepared/negatives.parquet")
 META = Path("data/prepared/negatives.meta.json")
@@ -24,14 +27,14 @@ METRICS = Path("metrics/negatives.json")
 
 
 def make_backend(p: StageParams):
-    from clipfinetune.data.negatives.degla.llm import OfflineBackend, ServerBackend
+    from clipfinetune.data.negatives.degla.llm import TOP_P, OfflineBackend, ServerBackend
     from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 
     # read every declared key whatever the backend, so dvc.yaml and the code cannot drift apart
     cfg = {k: p[f"negatives.{k}"] for k in ("backend", "base_url", "model", "api_key_env", "concurrency",
                                             "timeout", "max_retries", "backoff", "max_tokens",
                                             "temperature", "seed")}
-    sampling = f"t={cfg['temperature']},max_tokens={cfg['max_tokens']},seed={cfg['seed']}"
+    sampling = f"t={cfg['temperature']},top_p={TOP_P},max_tokens={cfg['max_tokens']},seed={cfg['seed']}"
     if cfg["backend"] == "rules":
         return RulesBackend(seed=int(cfg["seed"])), cfg
     if cfg["backend"] == "server":
@@ -69,6 +72,8 @@ def run(p: StageParams, log) -> dict:
     max_failures = int(p["negatives.max_failures"])
     backend, cfg = make_backend(p)
     p.check_all_read()
+    if backend.name == "offline":                    # vLLM's engine takes the first visible GPU: not beside a rank
+        hold_gpus(visible_gpus()[:1], log)
     if backend.name == "rules":
         log.info("negatives: backend=rules (spaCy/WordNet, no LLM) -- set negatives.backend: server|offline "
                  "to use an LLM as DeGLA does")

@@ -21,9 +21,10 @@ weights themselves are not a DVC dependency (the param is): after changing a fil
 Resumable: checkpoints/pretrain/label_warmup/last.pt and checkpoints/pretrain/last.pt (gitignored, not DVC outs) carry
 a fingerprint of the declared params, the stage's inputs and code; a killed run re-run with the same fingerprint
 resumes (a finished warm-up restores its weights and is not run again), anything else starts over.
-Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain` (or `compute.nproc`). `pretrain.batch_size`
-is the GLOBAL batch, as `train.batch_size`, of both phases: each of the N ranks takes 1/N of it (an error if N does
-not divide it), so steps and schedule do not depend on N.
+Ranks: from scratch, as many as split `pretrain.batch_size` evenly (`compute.train_nproc`, stages/_common.py); with
+real weights one process whatever `compute` says (torchrun by hand works too: rank 0 exports, the others return).
+`pretrain.batch_size` is the GLOBAL batch, as `train.batch_size`, of both phases: each of the N ranks takes 1/N of
+it, so steps and schedule do not depend on N.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import os
 import shutil
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, source_specs, stage_inputs, start
+from _common import ROOT, TrainingBatch, compute_device, source_specs, stage_inputs, start
 
 GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretraining split: the group of one_colour_share
 LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts
@@ -40,8 +41,15 @@ OWN_KEYS = ("sources", "one_colour_share", "label_warmup_steps", "label_warmup_l
             "region_text_weight", "keep_checkpoint")   # keys TrainConfig does not hold
 
 
+def training_batch(args, params) -> TrainingBatch | None:
+    """Ranks for the launcher: from scratch, by the global batch; with real weights one process (it only exports)."""
+    if params["model.pretrained"]:
+        return None
+    return TrainingBatch(int(params["pretrain.batch_size"]), 1, "pretrain.batch_size")
+
+
 def main() -> None:
-    _, params, log = start(__doc__, "pretrain")
+    _, params, log = start(__doc__, "pretrain", ranks=training_batch)
     name, pretrained, precision = params["model.name"], params["model.pretrained"], params["model.precision"]
     settings = dict(params["pretrain"])
     sources = source_specs(params, params["pretrain.sources"])
@@ -75,7 +83,7 @@ def main() -> None:
     warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
     checkpoints = ROOT / "checkpoints" / "pretrain"
     with training_session({k: v for k, v in settings.items() if k not in OWN_KEYS}, precision,
-                          params["compute.device"], batch_param="pretrain.batch_size", log=log) as session:
+                          compute_device(), batch_param="pretrain.batch_size", log=log) as session:
         dist, cfg = session.dist, session.cfg
         if dist.is_main:
             (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained

@@ -14,7 +14,7 @@ import _common  # noqa: F401  (puts the repo on sys.path)
 import _items
 import numpy as np
 import pandas as pd
-from _common import source_specs, start_preparing
+from _common import ITEMS, source_specs, start_preparing
 
 from clipfinetune.data.prepare.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image
 from clipfinetune.data.readers import read_source
@@ -30,7 +30,7 @@ COLUMNS = ["image_id", "segment_id", "x0", "y0", "x1", "y1", "area_frac"]
 
 
 def main() -> None:
-    name, params, log = start_preparing(__doc__, "segments")
+    name, params, log = start_preparing(__doc__, "segments", ITEMS)
     dist = _items.setup_device(params)
     items = sorted(((r.image_id, r) for r in read_source(name, source_specs(params, name)[name])), key=lambda t: t[0])
     checkpoint = params["segments.sam_checkpoint"]

@@ -22,7 +22,7 @@ models/base, data/shards, data/runs/<run>.json) and the world size: a killed run
 from __future__ import annotations
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, stage_inputs, start
+from _common import ROOT, TrainingBatch, compute_device, params_yaml, stage_inputs, start
 
 
 def run_settings(run: str, method: str) -> dict:
@@ -40,13 +40,22 @@ def run_settings(run: str, method: str) -> dict:
     return settings
 
 
+def training_batch(args, params) -> TrainingBatch:
+    """The run's global batch and micro-batches (its data/runs/<run>.json), for the launcher's rank count
+    (`_common.launch`), and the param that sets the batch, named when the ranks cannot split it."""
+    from clipfinetune.runs import batch_param
+
+    train = run_settings(args.run, args.method)["train"]
+    return TrainingBatch(int(train["batch_size"]), int(train["accum_steps"]), batch_param(params_yaml(), args.method))
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--run", required=True, help="run name (the foreach key), e.g. clip, fsc_lhn_only")
     parser.add_argument("--method", required=True, help="method name, e.g. clip, fsc_clip")
 
 
 def main() -> None:
-    args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments)
+    args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments, training_batch)
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.methods import get_method
@@ -59,7 +68,7 @@ def main() -> None:
     settings, config = resolved["train"], resolved["config"]
     log.info("method %s (run %s): %s; training %s", args.method, args.run, config, settings)
 
-    with training_session(settings, resolved["precision"], params["compute.device"], log=log) as session:
+    with training_session(settings, resolved["precision"], compute_device(), log=log) as session:
         cfg = session.cfg
         method = method_cls(**config)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=session.dist.device)

@@ -46,25 +46,24 @@ def test_without_cuda_auto_is_cpu_and_cuda_is_a_clear_error(monkeypatch):
         distributed.resolve_device("gpu")
 
 
-def _params(values: dict):
+def test_ranks_of_an_item_stage(cuda_present, monkeypatch):
+    """`compute.nproc` through stages/_common.py's launcher rule: auto = every visible GPU, 1 on the CPU."""
     sys.path.insert(0, str(ROOT / "stages"))
-    from _common import StageParams
+    from _common import ITEMS, stage_ranks, visible_gpus
 
-    return StageParams("train@clip", values)
+    from clipfinetune.compute import ComputeError, settings
 
-
-def test_ranks_param(cuda_present, monkeypatch):
-    sys.path.insert(0, str(ROOT / "stages"))
-    from _common import stage_ranks
-
-    assert stage_ranks(_params({"compute": {"device": "auto", "nproc": "auto"}})) == 4     # every visible GPU
-    assert stage_ranks(_params({"compute": {"device": "cpu", "nproc": "auto"}})) == 1      # CPU: one rank
-    assert stage_ranks(_params({"compute": {"device": "cpu", "nproc": 2}})) == 2           # 2 gloo ranks
-    assert stage_ranks(_params({"model": {"precision": "fp32"}})) == 1                      # not a model stage
+    gpus = visible_gpus()
+    assert gpus == ["0", "1", "2", "3"]
+    assert stage_ranks("eval@clip", ITEMS, settings({}), gpus)[0] == 4                          # every visible GPU
+    assert stage_ranks("eval@clip", ITEMS, settings({"device": "cpu"}), gpus)[0] == 1           # CPU: one rank
+    assert stage_ranks("eval@clip", ITEMS, settings({"device": "cpu", "nproc": 2}), gpus)[0] == 2   # 2 gloo ranks
+    assert stage_ranks("shards", None, settings({"nproc": 2}), gpus)[0] == 1                   # not a model stage
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert stage_ranks(_params({"compute": {"device": "auto", "nproc": "auto"}})) == 1
-    with pytest.raises(SystemExit, match="positive integer"):
-        stage_ranks(_params({"compute": {"device": "auto", "nproc": 0}}))
+    assert visible_gpus() == []
+    assert stage_ranks("eval@clip", ITEMS, settings({}), [])[0] == 1
+    with pytest.raises(ComputeError, match="compute.nproc must be auto or an integer >= 1"):
+        settings({"nproc": 0})
 
 
 @pytest.mark.parametrize("stage_file", ["train.py", "pretrain.py"])
@@ -72,6 +71,6 @@ def test_training_stages_pass_compute_device_to_the_rule(stage_file):
     """pretrain and train hand `compute.device` to their training session, which hands it to init_distributed and
     records the device used (tests/test_train_session.py)."""
     text = (ROOT / "stages" / stage_file).read_text()
-    assert "training_session(" in text and 'params["compute.device"]' in text
+    assert "training_session(" in text and "compute_device()" in text
     session = (ROOT / "clipfinetune" / "train" / "session.py").read_text()
     assert "init_distributed(device)" in session and '"device": str(self.dist.device)' in session

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from clipfinetune.data.negatives.degla.llm import EndpointError, OfflineBackend
+from clipfinetune.data.negatives.degla.llm import TOP_P, EndpointError, OfflineBackend
 from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 from clipfinetune.data.negatives.degla.validators import RULES
 
@@ -145,6 +145,7 @@ def test_server_backend_retries_rejects_caches_and_resumes(server, tmp_path, mon
     assert not frame.caption.isin([c for c, m in BEHAVIOUR.items() if m == "echo"]).any()
     p = payloads[0]
     assert p["response_format"]["type"] == "json_schema" and p["max_tokens"] == 64 and "guided_json" not in p
+    assert p["top_p"] == TOP_P                              # the offline engine's sampling (test below)
     metrics = json.loads((tmp_path / "metrics/negatives.json").read_text())["negatives"]
     assert metrics["backend"] == "server" and 0 < metrics["reject_rate"] < 100
     meta = json.loads((tmp_path / "data/prepared/negatives.meta.json").read_text())
@@ -224,6 +225,7 @@ def test_offline_backend_with_a_stand_in_vllm(monkeypatch, platform):
     assert calls["init"]["model"] == "some/model" and calls["init"]["generation_config"] == "vllm"
     assert all(p.kw["max_tokens"] == 50 and isinstance(p.kw["structured_outputs"], StructuredOutputsParams)
                for p in calls["params"])
+    assert all(p.kw["top_p"] == TOP_P and p.kw["temperature"] == 0.5 for p in calls["params"])   # as the server's
     assert len(got) == 5 and all(err is None and text for _, text, err in got)
     assert backend.vllm_version == "0.12-stand-in"
     # vLLM's CPU build dies on seeded requests after a chunked prefill (make test-vllm): there it is turned off,

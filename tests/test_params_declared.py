@@ -150,9 +150,7 @@ def test_each_train_run_reads_every_key_it_declares(declared):
     StageParams = sys.modules["_common"].StageParams
     for run in _train_runs():
         params = StageParams(f"train@{run}", _nest(declared[f"train@{run}"]))
-        params["compute.device"]                    # init_distributed's setting
-        sys.modules["_common"].stage_ranks(params)  # start(): ranks to launch (1 here: CPU)
-        params["train.keep_checkpoint"]
+        params["train.keep_checkpoint"]             # compute.* is the hardware: read by no declared param
         params.check_all_read()
 
 

@@ -73,7 +73,7 @@ def per_rank_batch_size(global_batch: int, world_size: int, param: str = "train.
         raise ValueError(f"global batch {global_batch} and world size {world_size} must be >= 1")
     if global_batch % world_size:
         raise ValueError(f"{param} {global_batch} (the global batch) is not divisible by the {world_size} "
-                         f"ranks: choose a multiple of {world_size} or another compute.nproc")
+                         f"ranks: choose a multiple of {world_size} or another compute.train_nproc")
     return global_batch // world_size
 
 

@@ -7,7 +7,8 @@ LISM's pairs), in a throw-away copy of the project:
      lism, eval_base, eval@clip, eval@goal all run, each as 2 ranks (train/pretrain: their recorded `ranks`; the
      item stages: every rank's "rank R computed" log line, as their outputs carry no rank count, so that they can
      equal a 1-rank run's byte for byte);
-  2. the same stages forced again at `compute.nproc: 1` (`dvc repro -s -f`, on the models the 2-rank run trained,
+  2. `dvc status` after `compute.nproc: 1` lists none of them (compute is no stage's DVC param); the same stages
+     forced again at `compute.nproc: 1` (`dvc repro -s -f`, on the models the 2-rank run trained,
      so that both see the same inputs): segments, lism and eval outputs byte-identical; train@<run> takes the same
      steps and learning rates with a loss within tests/scale/test_train_ranks.py's LOSS_RTOL; pretrain (its
      batch_size global too) the same steps.
@@ -90,6 +91,7 @@ def dag(tmp_path_factory):
            "curves2": {s: {n: curve(live_dir(repo, s), n) for n in ("loss", "lr")} for s in ["pretrain", *TRAIN]}}
 
     set_params(repo, compute={"nproc": 1})
+    rec["status_after"] = json.loads(run(repo, "dvc", "status", "--json", *MODEL_STAGES).stdout or "{}")
     # the item stages first, on the models the 2-rank run trained; then the training stages (pretrain last: train@
     # reads its model)
     one = run(repo, "dvc", "repro", "-s", "-f", *ITEM_STAGES, *TRAIN, "pretrain")
@@ -109,6 +111,11 @@ def test_every_model_stage_runs_as_two_ranks(dag):
     for stage in ITEM_STAGES:
         assert ranks_logged(dag["log"], stage) == {0, 1}, (stage, dag["log"][-3000:])
         assert ranks_logged(dag["log1"], stage) == {0}, stage
+
+
+def test_a_new_rank_count_leaves_every_stage_up_to_date(dag):
+    """compute is the hardware, no stage's DVC param: after the 2-rank run, nproc 1 re-runs nothing."""
+    assert dag["status_after"] == {}
 
 
 def test_item_stage_outputs_equal_one_ranks_byte_for_byte(dag):

@@ -62,6 +62,10 @@ def _loads(body: bytes):
 TEMPLATE = ("Please rewrite the following input caption based on the rewrite rule and examples: <{rule}>. "
             "Here are the examples: {examples}. ensuring that the rewritten sentences have significantly "
             "different or opposite meanings from the original sentences. Input text: <{caption}>")
+# nucleus sampling of both backends (ECOSYSTEM.md 6.1), sent explicitly: with it, temperature, max_tokens and the
+# seed, and vLLM's own defaults for the rest (offline `generation_config="vllm"`, server `--generation-config vllm`,
+# not the model repo's generation_config.json, e.g. Llama 3.1's top_p 0.9), a server and the offline engine sample alike
+TOP_P = 0.95
 ANSWER_LINE = 'Reply with a JSON object {"rewritten": "<the rewritten caption>"} and nothing else.'
 N_EXAMPLES = 5
 
@@ -199,7 +203,7 @@ class ServerBackend:
 
     def payload(self, req: Request) -> dict:
         return {"model": self.model, "messages": messages_for(req), "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "seed": request_seed(self.seed, req.key),
+                "temperature": self.temperature, "top_p": TOP_P, "seed": request_seed(self.seed, req.key),
                 "response_format": self._response_format}
 
     async def _post_once(self, session, req: Request) -> str:
@@ -336,7 +340,7 @@ class OfflineBackend:
         return vllm, self._llm
 
     def _sampling(self, vllm, req: Request):
-        sp = {"temperature": self.temperature, "top_p": 0.95, "max_tokens": self.max_tokens, "n": 1,
+        sp = {"temperature": self.temperature, "top_p": TOP_P, "max_tokens": self.max_tokens, "n": 1,
               "seed": request_seed(self.seed, req.key)}
         try:
             from vllm.sampling_params import StructuredOutputsParams

@@ -1,0 +1,285 @@
+"""`clipfinetune plan` (clipfinetune/plan.py) without a GPU: every recipe (recipes/*.yaml over params.real.yaml over
+the committed params.yaml) on the miniature real tree (tests/fixtures/real_tree.py) x 1, 2, 7, 8 GPUs passes or
+refuses with the param and a fix, never a batch that stops training after the data stages; each refusal the plan
+promises has a case that triggers it; the committed sample params pass on the CPU through the command line.
+
+GPU counts are the plan's --gpus (nothing here sees a GPU); the vLLM endpoint is tests/fixtures/llm.py's fake server.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures import real_tree
+from fixtures.llm import openai_server, rewrite_reply
+from fixtures.project import copy_project
+
+from clipfinetune import plan, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "paper_numbers")
+H200 = "NVIDIA H200"
+
+
+def committed(path: str) -> str:
+    return subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """A copy of the project with the miniature real datasets, the LISM matcher's exported folder and a SAM file."""
+    from clipfinetune.models import export_model, load_model
+
+    root = copy_project(tmp_path_factory.mktemp("plan") / "project")
+    counts = real_tree.build(root)
+    export_model(load_model("cft-tiny-vit"), root / "datasets/weights/ViT-L-14-336-openai")
+    (root / "datasets/weights/sam_vit_h_4b8939.pth").write_bytes(b"stand-in")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)          # a project is a git repository
+    with openai_server(rewrite_reply(real_tree.NOUNS, real_tree.ADJECTIVES)) as (base_url, _):
+        yield {"root": root, "base_url": base_url, "stages": {}, "counts": counts}
+
+
+def recipe_params(tree, recipe: str, **overlay) -> tuple[dict, list]:
+    """(params, DVC's stages) of `recipe` applied as README says, over the committed params.yaml; `overlay` merged
+    last (as a user's edits)."""
+    root = tree["root"]
+    path = root / f"params-{recipe}-{len(tree['stages'])}.yaml"
+    path.write_text(committed("params.yaml"))
+    profile.apply([ROOT / "params.real.yaml", *([ROOT / "recipes" / f"{recipe}.yaml"] if recipe else [])], path)
+    params = yaml.safe_load(path.read_text())
+    params["negatives"]["base_url"] = tree["base_url"]
+    profile.deep_merge(params, overlay)
+    path.write_text(yaml.safe_dump(params))
+    tree["stages"][path.name] = stages = plan.dag_stages(root, path)
+    return params, stages
+
+
+def make(tree, params, stages, gpus, **kw) -> dict:
+    return plan.make_plan(params, tree["root"], plan.Hardware(gpus, kw.pop("nodes", 1), H200), stages=stages,
+                          timeout=2.0, **kw)
+
+
+def row(p: dict, stage: str) -> dict:
+    return next(r for r in p["stages"] if r["stage"] == stage)
+
+
+def refusals(p: dict, param: str | None = None) -> list[dict]:
+    return [r for r in p["refusals"] if param is None or r["param"] == param]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_on_1_2_7_8_gpus_passes_or_refuses_with_the_param_and_a_fix(tree, recipe):
+    params, stages = recipe_params(tree, recipe)
+    training = [s.name for s in stages if s.script == "stages/train.py"]
+    assert training, recipe
+    for gpus in (1, 2, 7, 8):
+        p = make(tree, params, stages, gpus)
+        assert p["ok"] == (not p["refusals"])
+        for r in p["refusals"]:
+            assert r["param"] and r["message"] and r["fixes"], (recipe, gpus, r)
+        # no global batch stops its run: every training stage gets ranks that split its batch evenly, on GPUs it owns
+        rank_gpus = set(p["hardware"]["rank_gpus"])
+        for name in training:
+            t = row(p, name)
+            assert t["ranks"] >= 1 and t["global_batch"] % t["ranks"] == 0, (recipe, gpus, t)
+            assert t["rank_batch"] * t["ranks"] == t["global_batch"] and set(t["gpus"]) <= rank_gpus
+            if rank_gpus:                            # (none: the hardware itself is refused, e.g. the vLLM card)
+                assert len(t["gpus"]) == t["ranks"] <= gpus
+            else:
+                assert refusals(p, "compute.llm_gpus"), (recipe, gpus)
+            if t["ranks"] < len(rank_gpus):          # idle GPUs are named, with batch sizes that would use them
+                assert any(name in w.split(": ")[0].split(", ") and f": {t['ranks']} of {len(rank_gpus)} GPUs" in w
+                           for w in p["warnings"])
+        assert not [r for r in p["refusals"] if r["param"].endswith("batch_size")], (recipe, gpus)
+
+
+def test_harmoclip_on_8_gpus_trains_on_5_and_names_the_idle_ones_and_the_batches_that_use_all(tree):
+    params, stages = recipe_params(tree, "harmoclip")
+    p = make(tree, params, stages, 8)
+    t = row(p, "train@harmoclip")
+    assert (t["global_batch"], t["ranks"], t["rank_batch"], t["gpus"]) == (50, 5, 10, ["0", "1", "2", "3", "4"])
+    (warning,) = [w for w in p["warnings"] if w.startswith("train@harmoclip")]
+    assert "GPU(s) 5,6,7 idle" in warning
+    assert "train.harmoclip.batch_size: 48" in warning and "train.harmoclip.batch_size: 56" in warning
+    assert row(p, "eval@harmoclip")["ranks"] == 8                     # item stages take every GPU
+
+
+def test_a_batch_that_does_not_split_is_refused_naming_the_param_and_the_values_that_work(tree):
+    params, stages = recipe_params(tree, "harmoclip", compute={"train_nproc": 8})
+    p = make(tree, params, stages, 8)
+    (r,) = refusals(p, "train.harmoclip.batch_size")
+    assert r["stage"] == "train@harmoclip" and "50" in r["message"]
+    assert {"train.harmoclip.batch_size: 48", "train.harmoclip.batch_size: 56", "compute.train_nproc: 5",
+            "compute.train_nproc: auto"} <= set(r["fixes"])
+    # several nodes: the same count on each node, so 50 has no split over 4 nodes; multiples of 4 x 8 do
+    params, stages = recipe_params(tree, "harmoclip")
+    p = make(tree, params, stages, 8, nodes=4)
+    (r,) = refusals(p, "train.harmoclip.batch_size")
+    assert "train.harmoclip.batch_size: 32" in r["fixes"] and "train.harmoclip.batch_size: 64" in r["fixes"]
+    assert any("torchrun on every node" in w and "dvc commit" in w for w in p["warnings"])
+
+
+def test_a_stage_declaring_compute_or_a_missing_param_is_refused(tree):
+    """Before compute left the DVC params, pretrain with real weights stopped on 'declared params never read:
+    compute.device'; a declaration the params lack stops `dvc repro` itself."""
+    params, stages = recipe_params(tree, "fsc_clip")
+    stages = copy.deepcopy(stages)
+    pretrain = next(s for s in stages if s.name == "pretrain")
+    pretrain.declared += ["compute.device", "pretrain.no_such_key"]
+    p = make(tree, params, stages, 2)
+    (device,) = refusals(p, "compute.device")
+    assert device["stage"] == "pretrain" and "never read" in device["message"] and "dvc.yaml" in device["fixes"][0]
+    (missing,) = refusals(p, "pretrain.no_such_key")
+    assert "missing params" in missing["message"]
+
+
+def test_goal_without_lism_is_refused_instead_of_training_its_global_only_ablation(tree):
+    """A recipe applied over another's leftovers: GOAL's runs but `lism.sources: []` (no local pairs written)."""
+    params, stages = recipe_params(tree, "goal", lism={"sources": []})
+    assert not [s for s in stages if s.name.startswith("lism@")]
+    p = make(tree, params, stages, 8)
+    (r,) = [r for r in refusals(p, "lism.sources") if r["stage"] == "train@goal"]
+    assert "local pairs" in r["message"] and "global-only" in r["message"]
+    assert {"lism.sources: [docci]", "segments.sources: [docci]", "sentences.sources: [docci]"} <= set(r["fixes"])
+    assert not [r for r in p["refusals"] if r["stage"] == "train@goal_global_only"]   # reads no local pairs
+
+
+def test_a_data_stage_no_run_reads_is_a_warning(tree):
+    params, stages = recipe_params(tree, "fsc_clip", word_regions={"sources": ["coco"]})
+    p = make(tree, params, stages, 1)
+    assert any(w.startswith("word_regions@coco runs but no run") for w in p["warnings"])
+
+
+def test_a_vllm_server_on_this_host_and_the_ranks_never_share_a_card(tree):
+    params, stages = recipe_params(tree, "degla", compute={"llm_gpus": 0})
+    (r,) = refusals(make(tree, params, stages, 8), "compute.llm_gpus")
+    assert r["stage"] == "negatives@coco" and "same" not in r["fixes"][0]
+    assert "CUDA_VISIBLE_DEVICES=7" in r["fixes"][0] and "--generation-config vllm" in r["fixes"][0]
+    # the recipe keeps the last card for the server: the ranks take the other 7
+    params, stages = recipe_params(tree, "degla")
+    p = make(tree, params, stages, 8)
+    assert not refusals(p, "compute.llm_gpus") and p["hardware"]["rank_gpus"] == [str(i) for i in range(7)]
+    assert all("7" not in row(p, s.name)["gpus"] for s in stages if s.script in plan.ITEM_SCRIPTS)
+    # one GPU: the server and the ranks cannot both have it
+    (r,) = refusals(make(tree, params, stages, 1), "compute.llm_gpus")
+    assert any(f.startswith("negatives.backend: offline") for f in r["fixes"])
+    # negatives already done: no server needed, a warning says so
+    done = make(tree, {**params, "compute": {"llm_gpus": 0}}, stages, 8, stage_up_to_date=lambda stage: True)
+    assert not refusals(done, "compute.llm_gpus") and any("up to date" in w for w in done["warnings"])
+
+
+def test_sample_world_sets_on_a_real_model_are_refused(tree):
+    params = yaml.safe_load(committed("params.yaml"))
+    stages = plan.dag_stages(tree["root"], _written(tree, "sample-real", params))
+    assert make(tree, params, stages, 0)["ok"]                      # the sample world's own model: fine
+    params["model"]["pretrained"] = "openai"
+    params["model"]["name"] = "ViT-B-16"
+    (r,) = refusals(make(tree, params, stages, 0), "eval.benchmarks")
+    assert "eval.benchmarks.retrieval.sample" in r["message"]
+    assert "eval.benchmarks.retrieval.sample: null" in r["fixes"] and "eval.report.set: real" in r["fixes"]
+
+
+def _written(tree, name: str, params: dict) -> Path:
+    path = tree["root"] / f"params-{name}.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def test_epoch_coverage_comes_from_the_loader_and_under_100_percent_is_refused(tree, monkeypatch):
+    """Interface 2: with data/shards built, the loader's `epoch_coverage` gives the exact numbers (a fake here,
+    called with the interface's arguments); an epoch missing units or repeating some is refused."""
+    params, stages = recipe_params(tree, "fsc_clip")
+    shards = tree["root"] / "data" / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    (shards / "index.json").write_text("{}")
+    asked = []
+
+    def coverage(shards_dir, split, method, **kw):
+        asked.append((Path(shards_dir), split, type(method).__name__, kw))
+        return {"units": 1000, "steps_per_epoch": 8, "seen": 960, "repeated": 40}
+
+    from clipfinetune.data import loader
+
+    monkeypatch.setattr(loader, "epoch_coverage", coverage, raising=False)
+    try:
+        p = make(tree, params, stages, 8)
+    finally:
+        (shards / "index.json").unlink()
+    t = row(p, "train@fsc_clip")
+    assert (t["units"], t["seen"], t["repeated"], t["coverage"], t["steps_per_epoch"]) == (1000, 960, 40, "exact", 8)
+    shard_dir, split, method, kw = asked[0]
+    assert shard_dir == shards and split == "train" and method == "FscClipMethod"
+    assert kw["world_size"] == t["ranks"] and kw["global_batch"] == t["global_batch"]
+    assert set(kw) == {"global_batch", "world_size", "num_workers", "epoch_unit", "epoch_samples", "accum_steps"}
+    assert [r for r in refusals(p, "shards.maxcount") if r["stage"] == "train@fsc_clip"]
+    # without shards: estimated from the sources' records, and said so (the real base profile: an epoch of
+    # plain CLIP is every train2014 caption once)
+    params, stages = recipe_params(tree, "")
+    t = row(make(tree, params, stages, 8), "train@clip")
+    assert t["coverage"] == "estimated" and t["repeated"] == 0
+    assert t["units"] == t["seen"] == tree["counts"]["coco_train_captions"]
+
+
+def test_with_the_shards_built_the_plan_reads_the_loaders_exact_coverage(tree):
+    """The real `epoch_coverage` over shards the `shards` stage wrote (FSC-CLIP's recipe: Karpathy train + restval):
+    every caption once an epoch, at 8 ranks x the recipe's workers."""
+    params, stages = recipe_params(tree, "fsc_clip")
+    root = tree["root"]
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    try:
+        subprocess.run([sys.executable, "stages/shards.py", "--stage", "shards"], cwd=root, check=True,
+                       capture_output=True, text=True)
+        t = row(make(tree, params, stages, 8), "train@fsc_clip")
+    finally:
+        import shutil
+
+        shutil.rmtree(root / "data" / "shards", ignore_errors=True)
+    assert t["coverage"] == "exact" and t["units"] == t["seen"] > 0 and t["repeated"] == 0, t
+    assert t["steps_per_epoch"] == -(-t["units"] // t["global_batch"])
+
+
+def test_missing_inputs_are_refused(tree):
+    params, stages = recipe_params(tree, "fsc_clip", sources={"coco": {"captions": "datasets/coco/nowhere.json"}})
+    (r,) = refusals(make(tree, params, stages, 1), "sources.coco.captions")
+    assert "nowhere.json" in r["message"] and r["fixes"]
+
+
+def test_training_time_comes_from_a_measured_rate_with_its_source_or_is_unknown(tree):
+    params, stages = recipe_params(tree, "")                       # the real base profile: ViT-B-16
+    figures = plan.load_calibration(ROOT)
+    f = plan.find_figure(figures, H200, "train_step", "ViT-B-16", "fsc_clip")
+    t = row(make(tree, params, stages, 8), "train@fsc_clip")
+    samples = t["epochs"] * t["steps_per_epoch"] * t["global_batch"]
+    assert t["seconds"] == pytest.approx(samples / (f["value"] * t["ranks"]))
+    assert f["source"] in t["time_source"]
+    t = row(plan.make_plan(params, tree["root"], plan.Hardware(8, 1, "NVIDIA A100"), stages=stages, timeout=2.0),
+            "train@fsc_clip")
+    assert t["seconds"] is None and t["time_source"] == "unknown"           # nothing measured on that card
+    params["model"]["name"] = "ViT-L-14"
+    t = row(make(tree, params, stages, 8), "train@fsc_clip")
+    assert t["seconds"] is None                                             # nor for that architecture
+
+
+def test_the_committed_sample_params_pass_on_the_cpu_through_the_command_line(tree):
+    path = tree["root"] / "params.yaml"
+    path.write_text(committed("params.yaml"))
+    proc = subprocess.run([sys.executable, "-m", "clipfinetune.plan", "--params", str(path), "--gpus", "0", "--json"],
+                          cwd=tree["root"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] and out["hardware"]["device"] == "cpu"
+    names = [r["stage"] for r in out["stages"]]
+    assert names.index("shards") < names.index("train@clip") < names.index("eval@clip")   # dependencies first
+    assert all(r["ranks"] == 1 for r in out["stages"])
+    # a refused configuration exits 1 and says why, before anything ran
+    params = yaml.safe_load(committed("params.yaml"))
+    params["compute"].update(nproc=3, train_nproc=3)         # 3 gloo ranks: 64 does not split
+    refused = _written(tree, "refused", params)
+    proc = subprocess.run([sys.executable, "-m", "clipfinetune.plan", "--params", str(refused), "--gpus", "0"],
+                          cwd=tree["root"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "REFUSED" in proc.stdout and "train.batch_size: 63" in proc.stdout
