@@ -1,0 +1,38 @@
+"""`clipfinetune <command>`: the project's command line (pyproject.toml [project.scripts]).
+
+    clipfinetune recipe <paper>     params.yaml for one paper's protocol (clipfinetune/profile.py)
+    clipfinetune plan               what `dvc repro` would run with the applied params, checked before any work
+                                    (clipfinetune/plan.py)
+
+Each command is also its module's own `python -m clipfinetune.<module>`.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {"recipe": "clipfinetune.profile", "plan": "clipfinetune.plan"}   # command -> module with main(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    command, rest = argv[0], argv[1:]
+    if command == "recipe":
+        from clipfinetune import profile
+
+        return profile.main(["recipe", *rest], prog="clipfinetune")
+    try:
+        module = importlib.import_module(COMMANDS[command])
+    except ModuleNotFoundError as e:
+        if e.name != COMMANDS[command]:
+            raise
+        print(f"clipfinetune {command}: not in this version ({COMMANDS[command]} is missing)", file=sys.stderr)
+        return 2
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
