@@ -18,7 +18,9 @@ weights themselves are not a DVC dependency (the param is): after changing a fil
 `dvc repro -f pretrain`.
 
 Resumable: checkpoints/pretrain/last.pt (gitignored, not a DVC out) carries a fingerprint of the declared params,
-the stage's inputs and code; a killed run re-run with the same fingerprint resumes, anything else starts over.
+the stage's inputs and code; a killed run re-run with the same fingerprint resumes, anything else starts over. The
+curves grow beside it (checkpoints/pretrain/dvclive) and are copied to dvclive/pretrain/ at the end (not a persisted
+output, so DVC's run cache can restore the stage).
 Multi-GPU: `torchrun --nproc_per_node N stages/pretrain.py --stage pretrain` (or `compute.nproc`). `pretrain.batch_size`
 is the GLOBAL batch, as `train.batch_size`: each of the N ranks takes 1/N of it (an error if N does not divide it),
 so steps and schedule do not depend on N; the label warm-up (the same on every rank) takes the whole batch.
@@ -45,7 +47,7 @@ def main() -> None:
     sources = source_specs(params, params["pretrain.sources"])
     out, live_dir = ROOT / "models" / "base", ROOT / "dvclive" / "pretrain"
 
-    from clipfinetune.io import write_json
+    from clipfinetune.io import copy_dir, write_json
     from clipfinetune.models import export_model, load_model, quick_gelu_setting
 
     quick_gelu = quick_gelu_setting(params["model.quick_gelu"])   # for weights that do not record it
@@ -77,8 +79,6 @@ def main() -> None:
 
     dist = init_distributed(params["compute.device"])
     try:
-        if dist.is_main:
-            (live_dir / "skipped.json").unlink(missing_ok=True)   # a note of an earlier run with model.pretrained
         group_share, label_steps = float(settings["one_colour_share"]), int(settings["label_warmup_steps"])
         warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
         region_text_weight = float(settings["region_text_weight"])
@@ -100,8 +100,10 @@ def main() -> None:
                                         "pretrain": settings}, stage_inputs(params.stage), dist.world_size)
         check_ranks_agree(fp, dist)
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
-        trainer = Trainer(method, model, source, cfg, checkpoint_dir=ROOT / "checkpoints" / "pretrain",
-                          live_dir=live_dir, fingerprint=fp, dist=dist, desc="pretrain")
+        checkpoint_dir = ROOT / "checkpoints" / "pretrain"
+        live_work = checkpoint_dir / "dvclive"          # survives a kill beside the checkpoint it resumes from
+        trainer = Trainer(method, model, source, cfg, checkpoint_dir=checkpoint_dir,
+                          live_dir=live_work, fingerprint=fp, dist=dist, desc="pretrain")
         if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             label_warmup(model, source.images, source.labels, steps=label_steps,
@@ -111,11 +113,12 @@ def main() -> None:
         trainer.fit()
         if dist.is_main:
             export_model(model, out)
-            write_json(live_dir / "device.json", {"device": str(dist.device), "ranks": dist.world_size,
-                                                  "global_batch": global_batch, "rank_batch": rank_batch})
+            write_json(live_work / "device.json", {"device": str(dist.device), "ranks": dist.world_size,
+                                                   "global_batch": global_batch, "rank_batch": rank_batch})
+            copy_dir(live_work, live_dir)
             log.info("exported %s", out)
             if not settings["keep_checkpoint"]:
-                remove_checkpoints(ROOT / "checkpoints" / "pretrain")
+                remove_checkpoints(checkpoint_dir)
         params.check_all_read()
     finally:
         cleanup()

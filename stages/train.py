@@ -15,7 +15,9 @@ papers count epochs.
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it; removed once the model is
 exported unless `train.keep_checkpoint`) carries a fingerprint of
 the declared params, the stage's deps (code, models/base, data/shards) and the world size: a killed run re-run
-unchanged resumes; after `dvc exp run -S ...` or a code change the run starts from scratch.
+unchanged resumes; after `dvc exp run -S ...` or a code change the run starts from scratch. dvclive writes its curves
+beside the checkpoint (checkpoints/<run>/dvclive), so a resumed run continues them; the finished folder is copied to
+dvclive/train/<run>/, an output DVC's run cache can restore (a persisted output would keep the stage out of it).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def main() -> None:
     args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments)
 
     from clipfinetune.data.loader import ExampleContext, ShardLoader
-    from clipfinetune.io import write_json
+    from clipfinetune.io import copy_dir, write_json
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
     from clipfinetune.train import (
@@ -95,18 +97,19 @@ def main() -> None:
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), dist.world_size)
         check_ranks_agree(fp, dist)
-        live_dir = ROOT / "dvclive" / "train" / args.run
         checkpoint_dir = ROOT / "checkpoints" / args.run
+        live_work = checkpoint_dir / "dvclive"           # survives a kill beside the checkpoint it resumes from
         trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir,
-                          live_dir=live_dir, fingerprint=fp, dist=dist, desc=params.stage)
+                          live_dir=live_work, fingerprint=fp, dist=dist, desc=params.stage)
         module = trainer.fit()
         if dist.is_main:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
-            write_json(live_dir / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
-                                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                                                "batches_per_epoch": len(loader), **dict(loader.stats),
-                                                "device": str(dist.device), "ranks": dist.world_size,
-                                                "global_batch": global_batch, "rank_batch": rank_batch})
+            write_json(live_work / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
+                                                 "epoch_unit": loader.epoch_unit, "units": loader.num_units,
+                                                 "batches_per_epoch": len(loader), **dict(loader.stats),
+                                                 "device": str(dist.device), "ranks": dist.world_size,
+                                                 "global_batch": global_batch, "rank_batch": rank_batch})
+            copy_dir(live_work, ROOT / "dvclive" / "train" / args.run)
             log.info("exported models/%s", args.run)
             if not params["train.keep_checkpoint"]:
                 remove_checkpoints(checkpoint_dir)
