@@ -43,9 +43,8 @@ from pathlib import Path
 
 REAL = "params.real.yaml"
 RECIPES = "recipes"
-# replaced whole by a profile, never merged key by key (dotted paths, `*` = any one key)
-WHOLE = ("runs", "eval.benchmarks.*")
-
+# replaced whole by a profile, never merged key by key (key paths, `*` = any one key)
+WHOLE = (("runs",), ("eval", "benchmarks", "*"))
 
 def _yaml():
     from ruamel.yaml import YAML
@@ -69,54 +68,62 @@ def loads(text: str) -> dict:
 
 
 def load_plain(path) -> dict:
+    return _safe_load(Path(path).read_text())
+
+
+def _safe_load(text: str) -> dict:
     import yaml
 
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
 
 
-def _is_whole(dotted: str, whole=WHOLE) -> bool:
-    parts = dotted.split(".")
-    return any(len(p.split(".")) == len(parts) and all(a in ("*", b) for a, b in zip(p.split("."), parts))
-               for p in whole)
+def _is_whole(path: tuple, whole=WHOLE) -> bool:
+    return any(len(p) == len(path) and all(a in ("*", b) for a, b in zip(p, path)) for p in whole)
 
 
-def deep_merge(base: dict, overlay: dict, prefix: str = "", whole: tuple = ()) -> list[str]:
+def deep_merge(base: dict, overlay: dict, prefix: str = "", whole: tuple = (), _path: tuple = ()) -> list[str]:
     """Merge `overlay` into `base` in place (the units `whole` names replaced, not merged); returns the dotted
     keys whose value changed or was added."""
     changed = []
     for key, value in overlay.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value and isinstance(base.get(key), dict) and not _is_whole(dotted, whole):
-            changed += deep_merge(base[key], value, dotted + ".", whole)
+        path = (*_path, key)
+        if isinstance(value, dict) and value and isinstance(base.get(key), dict) and not _is_whole(path, whole):
+            changed += deep_merge(base[key], value, f"{prefix}{key}.", whole, path)
         elif key not in base or base[key] != value:
             _forget_value_comments(base, key)
             base[key] = value
-            changed.append(dotted)
+            changed.append(f"{prefix}{key}")
     return changed
+
+
+def leaves(d: dict, whole: tuple = (), _path: tuple = ()):
+    """(key path, value) for every leaf; an empty mapping and a `whole` unit are leaves."""
+    for key, value in d.items():
+        path = (*_path, key)
+        if isinstance(value, dict) and value and not _is_whole(path, whole):
+            yield from leaves(value, whole, path)
+        else:
+            yield path, value
 
 
 def flatten(d: dict, prefix: str = "", whole: tuple = ()):
     """(dotted key, value) for every leaf; an empty mapping and a `whole` unit are leaves."""
-    for key, value in d.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value and not _is_whole(dotted, whole):
-            yield from flatten(value, dotted + ".", whole)
-        else:
-            yield dotted, value
+    for path, value in leaves(d, whole):
+        yield prefix + ".".join(map(str, path)), value
 
 
-def _get(d: dict, dotted: str, default=None):
+def _get(d: dict, key, default=None):
+    """The value at a dotted key or a key path."""
     node = d
-    for part in dotted.split("."):
+    for part in key.split(".") if isinstance(key, str) else key:
         if not isinstance(node, dict) or part not in node:
             return default
         node = node[part]
     return node
 
 
-def _set(d: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
+def _set(d: dict, path: tuple, value) -> None:
+    *parents, leaf = path
     for part in parents:
         if not isinstance(d.get(part), dict):
             d[part] = {}
@@ -127,9 +134,15 @@ def _set(d: dict, dotted: str, value) -> None:
 
 def merged(profile_paths) -> dict:
     """Several profiles merged in order (a later one wins; WHOLE units replaced), as plain dicts."""
-    out: dict = {}
-    for path in ([profile_paths] if isinstance(profile_paths, (str, Path)) else profile_paths):
-        deep_merge(out, load_plain(path), whole=WHOLE)
+    paths = [profile_paths] if isinstance(profile_paths, (str, Path)) else profile_paths
+    return layered({}, *(load_plain(path) for path in paths))
+
+
+def layered(base: dict, *profiles: dict) -> dict:
+    """A copy of `base` with the profiles merged into it in order (WHOLE units replaced)."""
+    out = copy.deepcopy(base)
+    for overlay in profiles:
+        deep_merge(out, copy.deepcopy(overlay), whole=WHOLE)
     return out
 
 
@@ -171,7 +184,7 @@ def dumps(tree: dict, intended: dict) -> tuple[str, bool]:
     _yaml().dump(tree, out)
     text = out.getvalue()
     try:
-        if yaml.safe_load(text) == intended:
+        if _safe_load(text) == intended:
             return text, True
     except yaml.YAMLError:
         pass
@@ -211,23 +224,19 @@ def is_real_profile(params: dict) -> bool:
     return _get(params, "sample.build", ["world"]) == []
 
 
-def recipe_paths(root) -> dict[str, Path]:
-    """paper -> recipes/<paper>.yaml: the profiles in recipes/ that name their paper (`eval.report.paper`)."""
-    return {p.stem: p for p in sorted(Path(root, RECIPES).glob("*.yaml"))
-            if _get(load_plain(p), "eval.report.paper") == p.stem}
-
-
-def owned_keys(root) -> set[str]:
-    """Every key the real-data base or a recipe sets (WHOLE units as one key): the keys a recipe owns."""
-    out = set()
-    for path in recipe_paths(root).values():
-        out |= {k for k, _ in flatten(merged([Path(root, REAL), path]), whole=WHOLE)}
+def recipes(root) -> dict[str, tuple[Path, dict]]:
+    """paper -> (recipes/<paper>.yaml, its content): the profiles in recipes/ that name their paper
+    (`eval.report.paper`)."""
+    out = {}
+    for path in sorted(Path(root, RECIPES).glob("*.yaml")):
+        content = load_plain(path)
+        if _get(content, "eval.report.paper") == path.stem:
+            out[path.stem] = (path, content)
     return out
 
 
-def _owned(dotted: str, owned: set[str]) -> bool:
-    parts = dotted.split(".")
-    return any(".".join(parts[:i]) in owned for i in range(1, len(parts) + 1))
+def _owned(path: tuple, owned: set[tuple]) -> bool:
+    return any(path[:i] in owned for i in range(1, len(path) + 1))
 
 
 def _git(root, *args) -> str:
@@ -240,14 +249,12 @@ def _git(root, *args) -> str:
 def committed_base(params_path, ref: str | None = None) -> tuple[str, str]:
     """(the committed params.yaml text a recipe is applied over, the commit it comes from): `ref`'s, else HEAD's,
     else (HEAD's is a real-data profile) the newest commit of HEAD's history whose params.yaml is the sample world's."""
-    import yaml
-
     params_path = Path(params_path).resolve()
     root, name = params_path.parent, params_path.name
     candidates = [ref] if ref else ["HEAD"] + _git(root, "log", "--format=%H", "--", name).split()
     for commit in candidates:
         text = _git(root, "show", f"{commit}:./{name}")
-        if ref or not is_real_profile(yaml.safe_load(text) or {}):
+        if ref or not is_real_profile(_safe_load(text)):
             return text, _git(root, "rev-parse", "--short", commit).strip()
     raise SystemExit(f"no commit of {root} holds a sample-world {name} (every one has params.real.yaml applied): "
                      "name the base with --base REF")
@@ -256,50 +263,45 @@ def committed_base(params_path, ref: str | None = None) -> tuple[str, str]:
 ABSENT = object()         # a key the params do not hold
 
 
-def _merged_over(base: dict, profiles) -> dict:
-    out = copy.deepcopy(base)
-    deep_merge(out, merged(profiles), whole=WHOLE)
-    return out
-
-
 def recipe(paper: str, params_path="params.yaml", base_ref: str | None = None, dry_run: bool = False) -> dict:
     """Write params.yaml = committed base + params.real.yaml + recipes/<paper>.yaml + the workspace's edits of keys
     no recipe sets. Returns {"base": commit, "changed": keys that differ from the base, "kept": {key: value},
     "replaced": {key: (workspace value, new value)}, "comments": kept or not}."""
-    import yaml
-
     params_path = Path(params_path)
     root = params_path.resolve().parent
-    papers = recipe_paths(root)
-    if paper not in papers:
-        raise SystemExit(f"no recipe {paper!r} in {root / RECIPES} (recipes: {', '.join(papers)})")
-    profiles = [root / REAL, papers[paper]]
+    found = recipes(root)
+    if paper not in found:
+        raise SystemExit(f"no recipe {paper!r} in {root / RECIPES} (recipes: {', '.join(found)})")
+    real = load_plain(root / REAL)
     text, commit = committed_base(params_path, base_ref)
-    base_plain = yaml.safe_load(text) or {}
-    intended = _merged_over(base_plain, profiles)
-    changed = deep_merge(copy.deepcopy(base_plain), merged(profiles), whole=WHOLE)
+    base = _safe_load(text)
+    applied = {name: layered(base, real, content) for name, (_, content) in found.items()}
+    intended = applied[paper]
+    changed = deep_merge(copy.deepcopy(base), layered({}, real, found[paper][1]), whole=WHOLE)
     tree = loads(text)
-    overlay: dict = {}
-    for path in profiles:
-        deep_merge(overlay, load(path), whole=WHOLE)
-    deep_merge(tree, overlay, whole=WHOLE)
+    for path in (root / REAL, found[paper][0]):
+        deep_merge(tree, load(path), whole=WHOLE)
 
-    workspace = load_plain(params_path) if params_path.is_file() else base_plain
-    base_leaves = dict(flatten(base_plain))
-    owned = owned_keys(root)
-    recipes_values = [_merged_over(base_plain, [root / REAL, path]) for path in papers.values()]
+    # the workspace's edits: its values that differ from what it was last set to (the committed params, or the
+    # recipe it names); recipes own every key params.real.yaml or a recipe sets
+    workspace = load_plain(params_path) if params_path.is_file() else base
+    last = _get(workspace, "eval.report.paper")
+    reference = applied.get(last) or (layered(base, real) if is_real_profile(workspace) else base)
+    owned = set().union(*({k for k, _ in leaves(layered({}, real, content), whole=WHOLE)}
+                          for _, content in found.values()))
     kept, replaced = {}, {}
-    for key, value in flatten(workspace):
-        if key in base_leaves and base_leaves[key] == value:
+    for path, value in leaves(workspace):
+        if _get(reference, path, ABSENT) == value:
             continue
-        if _owned(key, owned):
-            new = _get(intended, key, ABSENT)
-            if new != value and not any(_get(r, key, ABSENT) == value for r in recipes_values):
-                replaced[key] = (value, new)      # a user's edit (an earlier recipe's value is no edit)
+        key = ".".join(map(str, path))
+        if _owned(path, owned):
+            new = _get(intended, path, ABSENT)
+            if new != value:
+                replaced[key] = (value, new)
         else:
             kept[key] = value
-            _set(intended, key, copy.deepcopy(value))
-            _set(tree, key, copy.deepcopy(value))
+            _set(intended, path, copy.deepcopy(value))
+            _set(tree, path, copy.deepcopy(value))
     comments = True if dry_run else write(params_path, tree, intended)
     return {"base": commit, "changed": changed, "kept": kept, "replaced": replaced, "comments": comments}
 
