@@ -224,3 +224,36 @@ def test_editing_the_report_re_runs_report_alone():
     for f in report_files:
         for m in imported(root / f) - {"clipfinetune.io"}:      # the atomic writers, undeclared by every stage
             assert any(covers(d, m.replace(".", "/") + ".py") for d in report_deps), (f, m)
+
+
+def test_the_sample_worlds_limitations_stand_with_its_claims_and_agree_with_the_records():
+    """On the sample world's set, reports/summary.md and the terminal summary carry one line on binding (the oracle
+    at chance) and one on MulCLIP's local terms. Every number in a line is a measured record: it must appear in the
+    research note the line names and in the README's "Known limitations". A real set carries no such line."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    limits = readme[readme.index("## Known limitations"):]
+    limits = limits[:limits.index("\n## ", 1)]
+    m, t = model()
+    sample = report.summarize({"base": m, "clip": m}, "sample", {"base": t, "clip": t})
+    md, text = report.render_markdown(sample), report.render_text(sample)
+    lines = [line for line in md.splitlines() if line.startswith("- ")]
+    binding = [line for line in lines if "binding" in line and "chance" in line and "inconclusive" in line]
+    mulclip = [line for line in lines if "MulCLIP" in line and "L_Sub" in line]
+    assert len(binding) == 1 and len(mulclip) == 1
+    assert "## Known limitations of the sample world" in md
+    for line in binding + mulclip:
+        assert line[2:] in text                                    # the terminal view says the same
+        note = re.search(r"docs/research/[\w-]+\.md", line).group(0)
+        record = (root / note).read_text()
+        numbers = re.findall(r"\d+\.\d+|\d+%", line)
+        assert len(numbers) >= 3
+        for number in numbers:
+            assert number in record, f"{number} of the summary's line is not in {note}"
+            assert number in limits, f"{number} of the summary's line is not in README's Known limitations"
+    real = report.summarize({"base": m}, "real", {"base": t})
+    assert "limitations" not in report.render_markdown(real).lower()
+    assert "limitations" not in report.render_text(real).lower()

@@ -1,0 +1,168 @@
+"""The user's documents stay usable: README.md is at most 300 lines, README.md and docs/ say nothing about how the
+work was organised (numbered stops, branches), and every repository path or module that README.md, docs/ or
+benchmarks/README.md names exists.
+
+A path is recognised in backticks, in fenced code blocks and as a markdown link target: a token with a '/' whose
+first folder is one of the repository's top-level entries (or a hidden folder), or a token ending in .py, .md,
+.yaml, .yml, .toml or .sh; a dotted name starting with `clipfinetune.`, `benchmarks.` or `stages.` must resolve to
+a module (and its last parts to a name that module mentions). Outputs that DVC or the benchmarks produce (data/,
+models/, metrics/, reports/, dvclive/, checkpoints/, benchmarks/_work/, benchmarks/results.json), the .venv/ that make
+creates, the user's own datasets/, templates (`<run>`, `{a,b}`, `*`, `$R`) and paths outside the repository (absolute, `~`, URLs) are not
+checked."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_README_LINES = 300
+HISTORY = re.compile(r"\bstop [0-9]|branch s[0-9]", re.IGNORECASE)
+OUTPUTS = ("data/", "models/", "metrics/", "reports/", "dvclive/", "checkpoints/", "datasets/", "benchmarks/_work/",
+           "benchmarks/results.json", ".dvc/tmp/", ".venv/", "plots_")
+FILE_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".sh")
+TEMPLATE_CHARS = set("<>{}*$~%[]")
+MODULE_ROOTS = ("clipfinetune", "benchmarks", "stages")
+
+
+def repo_files(root: Path = ROOT) -> set[str]:
+    """The repository's files as a fresh clone plus local edits holds them: tracked, and untracked but not ignored."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if (root / line).exists()}
+
+
+def user_documents(files: set[str]) -> list[str]:
+    return sorted(f for f in files if f in ("README.md", "benchmarks/README.md")
+                  or (f.startswith("docs/") and f.endswith(".md")))
+
+
+def references(text: str) -> list[tuple[str, bool]]:
+    """(token, is_link) for every backticked token, fenced-code token and markdown link target of `text`."""
+    refs = []
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    for span in fenced + re.findall(r"`([^`\n]+)`", prose):
+        refs += [(token, False) for token in span.split()]
+    refs += [(target, True) for target in re.findall(r"\]\(([^)\s]+)\)", prose)]
+    return refs
+
+
+def _clean(token: str) -> str:
+    token = token.strip("'\"(),;")
+    token = re.sub(r"^[\w-]+=", "", token)                                 # --flag=path, key=path
+    match = re.match(r"^(.+?\.(?:py|md|yaml|yml|toml|sh))(?::.*)?$", token)   # file.py:Name, file.md#anchor
+    token = match.group(1) if match else token
+    return token.split("#")[0].rstrip(".:")
+
+
+def _module_exists(dotted: str, root: Path) -> bool:
+    """`a.b.c.name`: the longest prefix that is a module or package, then at most two names its source mentions."""
+    parts = dotted.split(".")
+    path, i = root / parts[0], 1
+    if not path.is_dir():
+        return False
+    source = (path / "__init__.py").read_text() if (path / "__init__.py").is_file() else ""
+    while i < len(parts):
+        if (path / parts[i]).is_dir():
+            path = path / parts[i]
+            init = path / "__init__.py"
+            source = init.read_text() if init.is_file() else ""
+        elif (path / f"{parts[i]}.py").is_file():
+            path = path / f"{parts[i]}.py"
+            source = path.read_text()
+            i += 1
+            break
+        else:
+            break
+        i += 1
+    rest = parts[i:]
+    return len(rest) <= 2 and (not rest or re.search(rf"\b{re.escape(rest[0])}\b", source) is not None)
+
+
+def missing_paths(text: str, doc: str, files: set[str], root: Path = ROOT) -> list[str]:
+    """The repository paths and modules `text` (the document `doc`) names that `files` does not hold."""
+    dirs = {"/".join(f.split("/")[:k]) + "/" for f in files for k in range(1, f.count("/") + 1)}
+    top = {f.split("/")[0] for f in files}
+    basenames = {Path(f).name for f in files}
+    missing = []
+    for raw, is_link in references(text):
+        if raw.startswith(("http://", "https://", "mailto:", "#")):
+            continue
+        token = _clean(raw)
+        if not token or TEMPLATE_CHARS & set(token) or token.startswith(("/", "~")):
+            continue
+        if re.fullmatch(rf"(?:{'|'.join(MODULE_ROOTS)})(?:\.\w+)+", token) and "/" not in token:
+            if not token.endswith(FILE_SUFFIXES) and not _module_exists(token, root):
+                missing.append(token)
+            continue
+        if is_link:                                                       # relative to the document's folder
+            parts = []
+            for part in f"{Path(doc).parent.as_posix()}/{token}".split("/"):
+                if part == ".." and parts and parts[-1] != "..":
+                    parts.pop()
+                elif part not in (".", ""):
+                    parts.append(part)
+            token = "/".join(parts) + ("/" if token.endswith("/") else "")
+        if token.startswith(OUTPUTS):
+            continue
+        first = token.split("/")[0]
+        if "/" in token:
+            if not (first in top or first.startswith(".") or token.endswith(FILE_SUFFIXES) or is_link):
+                continue
+            if token.endswith("/"):
+                found = token in dirs
+            else:
+                found = token in files or token + "/" in dirs
+        elif token.endswith(FILE_SUFFIXES):
+            found = token in basenames
+        else:
+            continue
+        if not found:
+            missing.append(raw)
+    return missing
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines (at most {MAX_README_LINES})"
+
+
+def test_no_word_about_how_the_work_was_organised():
+    files = repo_files()
+    found = [f"{doc}:{n}: {line.strip()}" for doc in user_documents(files) if doc != "benchmarks/README.md"
+             for n, line in enumerate((ROOT / doc).read_text().splitlines(), start=1) if HISTORY.search(line)]
+    assert not found, "README.md / docs/ speak of stops or branches:\n" + "\n".join(found)
+
+
+def test_every_path_the_documents_name_exists():
+    files = repo_files()
+    docs = user_documents(files)
+    assert {"README.md", "benchmarks/README.md"} <= set(docs) and any(d.startswith("docs/") for d in docs)
+    dangling = [f"{doc}: {path}" for doc in docs for path in missing_paths((ROOT / doc).read_text(), doc, files)]
+    assert not dangling, "paths or modules named but not in the repository:\n" + "\n".join(dangling)
+
+
+def test_the_path_check_recognises_dangling_and_ignores_outputs():
+    files = {"README.md", "docs/a.md", "docs/research/b.md", "stages/_common.py", "benchmarks/binding_oracle.py",
+             "clipfinetune/eval/encode.py", "recipes/goal.yaml", "tests/scale/test_x.py"}
+    text = """
+Run `python -m benchmarks.binding_oracle` and read `stages/_common.py:StageParams`, `recipes/goal.yaml`,
+`tests/scale/`, [the note](research/b.md), `encode.py` in `clipfinetune/eval/`, the output `metrics/summary.json`,
+`data/shards/train-coco-000000.tar`, `datasets/coco`, `recipes/<method>.yaml`, `models/<run>/`, `/mnt/data`,
+`dvclive/train/<run>/plots/metrics`, `treeverse/dvc#10549`, [DVC](https://dvc.org).
+Gone: `.probe/seed35.py`, `benchmarks/binding_sweep/`, `eval/encode.py`, `seed35.py`, [x](missing.md),
+`clipfinetune.nowhere`, `benchmarks.binding_oracle.no_such_name`.
+```bash
+python stages/_common.py --out benchmarks/_work/x && python tools/run.py
+```
+"""
+    # _module_exists reads the real repository's sources: pick names that exist there
+    assert missing_paths(text, "docs/a.md", files) == [
+        "tools/run.py", ".probe/seed35.py", "benchmarks/binding_sweep/", "eval/encode.py", "seed35.py",
+        "clipfinetune.nowhere", "benchmarks.binding_oracle.no_such_name", "missing.md"]
+
+
+def test_the_history_pattern_is_the_issue_grep():
+    assert HISTORY.search("at Stop 41 the probe") and HISTORY.search("on branch s39-i35-levers")
+    assert not HISTORY.search("a nonstop 4-step run") and not HISTORY.search("the branch of a tree")
