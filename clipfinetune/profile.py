@@ -10,11 +10,12 @@ recipe B alone writes (nothing of A is left over: no data stage's sources, eval 
 params.yaml is itself a real-data profile (someone committed an applied recipe), the newest commit whose params.yaml
 is the sample world's is the base instead, and the command names it (`--base REF` chooses another).
 
-The user's own edits are never lost silently. A workspace value that differs from the committed one is an edit
-(e.g. left by `dvc exp run -S compute.nproc=4`): an edit of a key that no recipe sets (compute.*, sample.*, ...) is
-kept; an edit of a key that a recipe sets (the keys of params.real.yaml + any recipes/*.yaml) is replaced by the
-recipe's value, and the command lists each one with the `-S` that re-applies it. Recipes own those keys because a
-leftover of one would silently change another paper's run.
+The user's own edits are never lost silently. A workspace value that differs from what the workspace was last set
+to (the committed params.yaml, or the recipe its `eval.report.paper` names) is an edit, e.g. left by `dvc exp run -S
+compute.nproc=4`: an edit of a key that no recipe sets (compute.*, sample.*, ...) is kept; an edit of a key that a
+recipe sets (the keys of params.real.yaml + any recipes/*.yaml) is replaced by the recipe's value, and the command
+lists each one with the `-S` that re-applies it. Recipes own those keys because a leftover of one would silently
+change another paper's run; a kept edit cannot break order independence, as no recipe sets its key.
 
 Merge rule (`recipe` and `apply`): mappings merge key by key, except the WHOLE units, which a profile replaces whole:
 `runs` (a recipe names its paper's runs and no other) and each task's sets `eval.benchmarks.<task>` (the sets named
@@ -45,6 +46,7 @@ REAL = "params.real.yaml"
 RECIPES = "recipes"
 # replaced whole by a profile, never merged key by key (key paths, `*` = any one key)
 WHOLE = (("runs",), ("eval", "benchmarks", "*"))
+
 
 def _yaml():
     from ruamel.yaml import YAML
