@@ -74,9 +74,11 @@ def load_plain(path) -> dict:
 
 
 def _safe_load(text: str) -> dict:
-    import yaml
+    """Plain dicts, read as DVC reads params.yaml (ruamel, YAML 1.2: `2e-05`, as `dvc exp run -S` writes it, is a
+    float; PyYAML's YAML 1.1 would read a string and write it back quoted)."""
+    from ruamel.yaml import YAML
 
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+    return YAML(typ="safe").load(text) or {}
 
 
 def _is_whole(path: tuple, whole=WHOLE) -> bool:
@@ -180,7 +182,7 @@ def _forget_value_comments(mapping, key) -> None:
 def dumps(tree: dict, intended: dict) -> tuple[str, bool]:
     """(the text of `tree`, whether its comments were kept): the round-trip text if it loads back equal to
     `intended`, else a plain dump of `intended` (comments lost, values right)."""
-    import yaml
+    from ruamel.yaml import YAMLError
 
     out = io.StringIO()
     _yaml().dump(tree, out)
@@ -188,8 +190,11 @@ def dumps(tree: dict, intended: dict) -> tuple[str, bool]:
     try:
         if _safe_load(text) == intended:
             return text, True
-    except yaml.YAMLError:
+    except YAMLError:
         pass
+    import yaml
+
+    # PyYAML writes floats with a '.' (1.0e-06), which YAML 1.1 and 1.2 readers agree on
     return yaml.safe_dump(intended, sort_keys=False, default_flow_style=None, width=120), False
 
 

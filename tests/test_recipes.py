@@ -306,11 +306,15 @@ def test_the_command_reports_what_it_replaced_and_the_next_steps(sandbox):
 
 def test_a_text_that_does_not_load_back_is_never_written(tmp_path, monkeypatch):
     """Should ruamel's round trip ever emit a text that does not load back equal, the values win over the comments."""
-    from ruamel.yaml import YAML
+    round_trip = profile._yaml
 
-    real_dump = YAML.dump
-    monkeypatch.setattr(YAML, "dump", lambda self, data, stream: (real_dump(self, data, stream),
-                                                                   stream.write("shards: maxcount: 1\n")))
+    def broken():                                   # the round-trip writer, with a line that does not load
+        y = round_trip()
+        dump = y.dump
+        y.dump = lambda data, stream: (dump(data, stream), stream.write("shards: maxcount: 1\n"))
+        return y
+
+    monkeypatch.setattr(profile, "_yaml", broken)
     params = tmp_path / "params.yaml"
     params.write_text(committed("params.yaml"))
     profile.apply([ROOT / "params.real.yaml"], params)
