@@ -64,6 +64,7 @@ def main() -> None:
     from clipfinetune.data.readers import read_source
     from clipfinetune.methods.clip import ClipMethod
     from clipfinetune.train import (
+        Monitor,
         TrainConfig,
         Trainer,
         cleanup,
@@ -103,14 +104,16 @@ def main() -> None:
         checkpoint_dir = ROOT / "checkpoints" / "pretrain"
         live_work = checkpoint_dir / "dvclive"          # survives a kill beside the checkpoint it resumes from
         trainer = Trainer(method, model, source, cfg, checkpoint_dir=checkpoint_dir,
-                          live_dir=live_work, fingerprint=fp, dist=dist, desc="pretrain")
-        if label_steps and trainer.step == 0:          # a resumed run already holds the warmed-up weights
+                          fingerprint=fp, dist=dist, desc="pretrain")
+        resumed = trainer.resume()
+        if label_steps and not resumed:                # a resumed run already holds the warmed-up weights
             log.info("label warm-up of the image tower: %d steps over %s", label_steps, source.label_names)
             label_warmup(model, source.images, source.labels, steps=label_steps,
                          lr=float(settings["label_warmup_lr"]), batch_size=global_batch, warmup=cfg.warmup,
                          wd=cfg.wd, seed=cfg.seed, normalize=source.normalize,
                          regions=source.regions if warmup_regions else None, precision=cfg.precision)
-        trainer.fit()
+        with Monitor(live_work, trainer.total_steps, trainer.step, resumed, dist.is_main, "pretrain") as monitor:
+            trainer.fit(monitor)
         if dist.is_main:
             export_model(model, out)
             write_json(live_work / "device.json", {"device": str(dist.device), "ranks": dist.world_size,

@@ -60,6 +60,7 @@ def main() -> None:
     from clipfinetune.methods import get_method
     from clipfinetune.models import export_model, load_model
     from clipfinetune.train import (
+        Monitor,
         TrainConfig,
         Trainer,
         cleanup,
@@ -99,9 +100,11 @@ def main() -> None:
         check_ranks_agree(fp, dist)
         checkpoint_dir = ROOT / "checkpoints" / args.run
         live_work = checkpoint_dir / "dvclive"           # survives a kill beside the checkpoint it resumes from
-        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir,
-                          live_dir=live_work, fingerprint=fp, dist=dist, desc=params.stage)
-        module = trainer.fit()
+        trainer = Trainer(method, model, loader, cfg, checkpoint_dir=checkpoint_dir, fingerprint=fp, dist=dist,
+                          desc=params.stage)
+        resumed = trainer.resume()
+        with Monitor(live_work, trainer.total_steps, trainer.step, resumed, dist.is_main, params.stage) as monitor:
+            module = trainer.fit(monitor)
         if dist.is_main:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
             write_json(live_work / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,

@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 from fixtures.methods import (
-    FixedNegativesContext,
+    FixedNegatives,
     collate_examples,
+    example_context,
     no_negatives,
     random_image,
     shard_record,
@@ -68,7 +69,7 @@ def backward_and_check(model, terms, names):
 
 # ------------------------------------------------------------------------------------------------ HarmoCLIP
 def test_harmoclip_example_word_mask_box_and_crop(tiny):
-    method, ctx = get_method("harmoclip")(), FixedNegativesContext(tiny)
+    method, ctx = get_method("harmoclip")(), example_context(tiny)
     assert method.wants(coco_record()) and not method.wants(DOCCI)
     ex = method.make_example(coco_record(), image(), random.Random(0), ctx)
     assert decode(tiny, ex["text"][ex["word_mask"]]) == "hippopotamuses"      # a multi-BPE word, all its tokens
@@ -87,7 +88,7 @@ def test_harmoclip_forward_terms_grads_and_frozen_teacher(tiny):
     module = method.build(model)
     module.train()
     assert not module.teacher.training
-    features = module(batch_of(method, model, FixedNegativesContext(model)))
+    features = module(batch_of(method, model, example_context(model)))
     assert features["region"].shape == features["region_teacher"].shape == (4, model.embed_dim)
     backward_and_check(model, method.loss()(features), {"contrastive", "lexeme_region", "global_region"})
     assert all(p.grad is None and not p.requires_grad for p in module.teacher.parameters())
@@ -98,7 +99,7 @@ def test_harmoclip_unlocked_vision_layers_freezes_earlier_blocks(tiny):
     method = get_method("harmoclip")(unlocked_vision_layers=1)
     model = copy.deepcopy(tiny)
     module = method.build(model)
-    terms = method.loss()(module(batch_of(method, model, FixedNegativesContext(model))))
+    terms = method.loss()(module(batch_of(method, model, example_context(model))))
     sum(terms.values()).backward()
     blocks = model.clip.visual.transformer.resblocks
     for block in blocks[:-1]:
@@ -113,17 +114,30 @@ def test_fsc_clip_example_negatives_and_placeholder(tiny):
     caption = coco_record()["captions"][0]
     negatives = {caption: {"negclip": "two circles beside a red hippopotamuses number 0.", "replace": None,
                            "shuffle": "a red circle two hippopotamuses beside number 0."}}
-    method = get_method("fsc_clip")()
-    ctx = FixedNegativesContext(tiny, lambda c: negatives.get(c, no_negatives(c)))
+    fixed = FixedNegatives(lambda c: negatives.get(c, no_negatives(c)))
+    method, ctx = fixed.on(get_method("fsc_clip")()), example_context(tiny)
     assert method.wants(coco_record()) and not method.wants(DOCCI)
     rng = random.Random(3)
     record = dict(coco_record(), captions=[caption])
     ex = method.make_example(record, image(), rng, ctx)
-    assert ctx.negative_calls == [(caption, rng)]            # fresh negatives from the loader's rng
+    assert fixed.calls == [(caption, rng)]                   # fresh negatives from the loader's rng
     assert ex["text"].shape == (4, tiny.context_length)
     assert ex["neg_valid"].tolist() == [True, False, True]
     texts = [decode(tiny, row[row != 0][1:-1]) for row in ex["text"]]
     assert texts == [caption.lower(), negatives[caption]["negclip"], "", negatives[caption]["shuffle"]]
+
+
+def test_fsc_clip_draws_its_rule_negatives_from_the_rules_module_with_the_loaders_rng(monkeypatch):
+    """The online negatives are FSC-CLIP's own (the shared ExampleContext knows nothing of them): each call draws
+    with the rng it is given."""
+    import sys
+    import types
+
+    fake = types.ModuleType("clipfinetune.data.negatives.rules")
+    fake.online_negatives = lambda caption, rng: {"negclip": caption[::-1], "replace": None, "shuffle": rng.random()}
+    monkeypatch.setitem(sys.modules, "clipfinetune.data.negatives.rules", fake)
+    out = get_method("fsc_clip")().rule_negatives("abc", random.Random(1))
+    assert out == {"negclip": "cba", "replace": None, "shuffle": random.Random(1).random()}
 
 
 def test_fsc_clip_forward_terms_and_grads(tiny):
@@ -131,7 +145,8 @@ def test_fsc_clip_forward_terms_and_grads(tiny):
     model = copy.deepcopy(tiny)
     module = method.build(model)
     caption_negs = {"negclip": "x y z", "replace": "a b", "shuffle": None}
-    ctx = FixedNegativesContext(model, lambda c: caption_negs)
+    FixedNegatives(lambda c: caption_negs).on(method)
+    ctx = example_context(model)
     features = module(batch_of(method, model, ctx))
     b, c, length, d = features["text_tokens"].shape
     assert (b, c, d) == (4, 4, model.embed_dim) and features["text_mask"].shape == (4, 4, length)
@@ -150,13 +165,14 @@ def test_fsc_clip_global_only_never_computes_token_features(tiny, monkeypatch):
             calls[_name] += 1
             return _original(*args, **kwargs)
         monkeypatch.setattr(model, name, counted)
-    ctx = FixedNegativesContext(model, lambda c: {"negclip": "x y z", "replace": "a b", "shuffle": "c d"})
-    method = get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.0)
+    ctx = example_context(model)
+    fixed = FixedNegatives(lambda c: {"negclip": "x y z", "replace": "a b", "shuffle": "c d"})
+    method = fixed.on(get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.0))
     features = method.build(model)(batch_of(method, model, ctx))
     assert calls == {"image_features": 0, "text_features": 0}
     assert "text_tokens" not in features and "patches" not in features
     backward_and_check(model, method.loss()(features), {"contrastive", "global_hn", "local_hn"})
-    full = get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.5)
+    full = fixed.on(get_method("fsc_clip")(lambda_g=0.5, lambda_l=0.5))
     full.build(model)(batch_of(full, model, ctx))
     assert calls == {"image_features": 1, "text_features": 1}          # ONE image and ONE text forward
 
@@ -180,7 +196,7 @@ def test_fsc_clip_lora_trains_only_lora_and_merges(tiny):
 
 # ------------------------------------------------------------------------------------------------ DeGLA
 def test_degla_example_picks_a_caption_with_negatives_in_type_order(tiny):
-    method, ctx = get_method("degla")(), FixedNegativesContext(tiny)
+    method, ctx = get_method("degla")(), example_context(tiny)
     assert method.wants(coco_record()) and not method.wants(DOCCI)
     assert not method.wants(dict(coco_record(), negatives=[]))
     for seed in range(3):
@@ -199,7 +215,7 @@ def test_degla_forward_teacher_no_grad_and_ema_step(tiny):
     module.train()
     assert not module.teacher.training
     assert any(k.startswith("teacher.") for k in module.state_dict())          # checkpointed with the run
-    features = module(batch_of(method, model, FixedNegativesContext(model)))
+    features = module(batch_of(method, model, example_context(model)))
     assert features["neg_text"].shape == features["teacher_neg_text"].shape == (4, 4, model.embed_dim)
     assert not any(features[k].requires_grad for k in ("teacher_image", "teacher_text", "teacher_neg_text"))
     backward_and_check(model, method.loss()(features), {"contrastive", "igc", "tgc", "distill"})
@@ -218,7 +234,7 @@ def test_degla_forward_teacher_no_grad_and_ema_step(tiny):
 def test_degla_without_distill_runs_teacher_on_positives_only(tiny):
     method = get_method("degla")(lambda_distill=0.0)
     model = copy.deepcopy(tiny)
-    features = method.build(model)(batch_of(method, model, FixedNegativesContext(model)))
+    features = method.build(model)(batch_of(method, model, example_context(model)))
     assert "teacher_image" not in features and features["teacher_text"].shape == (4, model.embed_dim)
     terms = method.loss()(features)
     assert float(terms["distill"].detach()) == 0.0
@@ -234,7 +250,8 @@ def test_micro_batches_of_different_text_lengths_concatenate(tiny, name):
     method = get_method(name)()
     model = copy.deepcopy(tiny)
     module = method.build(model)
-    ctx = FixedNegativesContext(model, lambda c: {"negclip": "a b", "replace": None, "shuffle": "c d"})
+    FixedNegatives(lambda c: {"negclip": "a b", "replace": None, "shuffle": "c d"}).on(method)
+    ctx = example_context(model)
     short, long = coco_record(0), coco_record(1)
     long["captions"] = [c + " and a very long tail of many more words" * 3 for c in long["captions"]]
     for record in (short, long):
@@ -251,7 +268,7 @@ def lexeme_region_grads(model, lexeme_projection_grad):
     """Backward of L_LRC alone; returns (text projection grad, text transformer grads)."""
     method = get_method("harmoclip")(lambda_gr=0.0, lexeme_projection_grad=lexeme_projection_grad)
     module = method.build(model)
-    terms = method.loss()(module(batch_of(method, model, FixedNegativesContext(model))))
+    terms = method.loss()(module(batch_of(method, model, example_context(model))))
     terms["lexeme_region"].backward()
     return model.clip.text_projection.grad, [p.grad for p in model.clip.transformer.parameters()]
 
@@ -276,7 +293,7 @@ def test_harmoclip_word_features_match_float64_eqs_3_4(tiny, lexeme_projection_g
 
     method = get_method("harmoclip")(lambda_gr=0.0, lexeme_projection_grad=lexeme_projection_grad)
     model = copy.deepcopy(tiny)
-    batch = batch_of(method, model, FixedNegativesContext(model))
+    batch = batch_of(method, model, example_context(model))
     features = method.build(model)(batch)
     with torch.no_grad():
         normed = model.clip.ln_final(model.text_features(batch["text"], trim=False)["hidden"])
@@ -289,12 +306,13 @@ def test_harmoclip_word_features_match_float64_eqs_3_4(tiny, lexeme_projection_g
 def test_epoch_units_narrow_the_record_to_the_unit_the_example_draws(tiny):
     """`train.epoch_unit: method`: HarmoCLIP's unit is a word-region row, DeGLA's a caption with negatives, FSC-CLIP's
     and CLIP's a caption; the example made from `unit_record(record, i)` holds unit i whatever the rng draws."""
-    ctx = FixedNegativesContext(tiny, no_negatives)
+    ctx = example_context(tiny)
     record = coco_record(3)
     record["word_regions"].append({"caption_index": 1, "word": "square", "char_span": [7, 13],
                                    "box": [50, 0, 100, 25], "category": "square"})
     record["negatives"].append({"caption_index": 0, "type": "swap_nouns", "texts": ["two circles beside a red hippo"]})
     harmo, degla, fsc = (get_method(n)() for n in ("harmoclip", "degla", "fsc_clip"))
+    FixedNegatives(no_negatives).on(fsc)
     assert (harmo.epoch_unit, degla.epoch_unit, fsc.epoch_unit, get_method("goal").epoch_unit) == \
         ("word_region", "caption", "caption", "image")
     assert harmo.units(record) == degla.units(record) == fsc.units(record) == 2

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from fixtures.methods import FixedNegativesContext, collate_examples, shard_record, tiny_model
+from fixtures.methods import FixedNegatives, collate_examples, example_context, shard_record, tiny_model
 from fixtures.methods import coco_record as mixed_coco_record
 
 from clipfinetune.methods import get_method
@@ -49,7 +49,7 @@ def test_custom_equals_weighted_sum_of_each_methods_own_terms(tiny):
     records = [coco_record(i) for i in range(4)]
     assert all(custom.wants(r) for r in records)
     assert not custom.wants(dict(records[0], negatives=[])) and not custom.wants(DOCCI)
-    batch = collate_examples(custom, records, FixedNegativesContext(model, reversed_and_recoloured))
+    batch = collate_examples(FixedNegatives(reversed_and_recoloured).on(custom), records, example_context(model))
 
     calls = []
     visual = model.clip.visual
@@ -115,7 +115,7 @@ def test_goal_and_mulclip_mix_trains_the_temperature_and_leaves_no_parameter_wit
     custom = get_method("custom")(terms=terms)
     model = copy.deepcopy(tiny)
     module, loss = custom.build(model), custom.loss()
-    ctx = FixedNegativesContext(model)
+    ctx = example_context(model)
     ctx._tokenize_long = lambda texts: model.tokenize(texts, context_length=248)
     batch = collate_examples(custom, [docci_record(i) for i in range(4)], ctx)
     out = loss(module(batch))
@@ -142,8 +142,8 @@ def test_custom_harmoclip_lexeme_region_keeps_its_gradient_out_of_the_text_proje
     custom = get_method("custom")(terms={"clip.contrastive": 0, "harmoclip.lexeme_region": 1.0})
     model = copy.deepcopy(tiny)
     module, loss = custom.build(model), custom.loss()
-    batch = collate_examples(custom, [coco_record(i) for i in range(4)],
-                             FixedNegativesContext(model, reversed_and_recoloured))
+    batch = collate_examples(FixedNegatives(reversed_and_recoloured).on(custom), [coco_record(i) for i in range(4)],
+                             example_context(model))
     out = loss(module(batch))
     out["harmoclip.lexeme_region"].backward()
     grad = model.clip.text_projection.grad

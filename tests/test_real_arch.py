@@ -15,7 +15,7 @@ import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures.methods import FixedNegativesContext, random_image, shard_record
+from fixtures.methods import FixedNegatives, example_context, random_image, shard_record
 from fixtures.methods import coco_record as mixed_coco_record
 from fixtures.real_arch import shallow_config, shallow_model, shallow_timm_model
 from PIL import Image
@@ -115,9 +115,9 @@ class OneBatch:
 def train_one_step(base, run):
     name, config, record = RUNS[run]
     model = copy.deepcopy(base)
-    method = get_method(name)(**config)
+    method = FixedNegatives(rule_negatives).on(get_method(name)(**config))
     trainer = Trainer(method, model, OneBatch(), TrainConfig(epochs=1, batch_size=2, lr=1e-4))
-    ctx = FixedNegativesContext(model, rule_negatives)          # built after `build`, as the train stage's loader
+    ctx = example_context(model)                                # built after `build`, as the train stage's loader
     ctx._tokenize_long = lambda texts: model.tokenize(texts, context_length=248)
     rng = random.Random(0)
     batch = default_collate([method.make_example(record(i), random_image(i, W, H), rng, ctx) for i in range(2)])
@@ -130,7 +130,7 @@ def train_one_step(base, run):
 @pytest.mark.parametrize("run", list(RUNS))
 def test_every_method_trains_and_exports_at_vit_b16(b16, run, tmp_path):
     method, trainer, model, scalars, before, missing = train_one_step(b16, run)
-    assert all(torch.isfinite(torch.tensor(v)) for k, v in scalars.items() if k.startswith("loss"))
+    assert all(torch.isfinite(v) for k, v in scalars.items() if k.startswith("loss"))
     assert missing == []                                      # nothing trainable left without a gradient (DDP)
     moved = [not torch.equal(b, p) for b, p in zip(before, trainer.params)]
     # every tensor with a gradient moved (zero-initialised LoRA B leaves its A a zero gradient at step 1)
@@ -141,7 +141,7 @@ def test_every_method_trains_and_exports_at_vit_b16(b16, run, tmp_path):
 @pytest.mark.parametrize("run", ["clip", "goal", "custom_coco", "degla"])
 def test_methods_train_at_vit_b32(b32, run):
     _, _, _, scalars, _, missing = train_one_step(b32, run)
-    assert missing == [] and all(torch.isfinite(torch.tensor(v)) for k, v in scalars.items() if k.startswith("loss"))
+    assert missing == [] and all(torch.isfinite(v) for k, v in scalars.items() if k.startswith("loss"))
 
 
 def assert_export_matches_plain_open_clip(model, folder):
@@ -212,7 +212,7 @@ def test_dense_and_region_features_match_open_clip_modules(fixture, request):
 
 def test_training_boxes_follow_a_non_square_input(b16_wide):
     """A top-right box of a 400 x 200 original on a 160-high, 224-wide input: x scales by 224/400, y by 160/200."""
-    ctx = FixedNegativesContext(b16_wide)
+    ctx = example_context(b16_wide)
     box = ctx.resize_boxes([[W / 2, 0, W, H / 2]], (W, H))
     assert torch.allclose(box, torch.tensor([[112.0, 0.0, 224.0, 80.0]]))
     mask = b16_wide.box_patch_mask(box).view(10, 14)            # rows 0-4 (80 px), columns 7-13 (112..224 px)
@@ -341,7 +341,7 @@ def test_eva02_geometry_tokens_and_dense_features_match_timm(eva):
 @pytest.mark.parametrize("run", ["harmoclip", "fsc_clip_lora", "goal", "degla"])
 def test_methods_train_at_eva02_b16(eva, run):
     _, trainer, _, scalars, before, missing = train_one_step(eva, run)
-    assert missing == [] and all(torch.isfinite(torch.tensor(v)) for k, v in scalars.items() if k.startswith("loss"))
+    assert missing == [] and all(torch.isfinite(v) for k, v in scalars.items() if k.startswith("loss"))
     moved = [not torch.equal(b, p) for b, p in zip(before, trainer.params)]
     assert all(m or not p.grad.any() for m, p in zip(moved, trainer.params)) and sum(moved) > len(moved) / 2
 

@@ -68,14 +68,15 @@ def test_an_fp16_step_that_overflows_is_skipped_by_the_scaler_not_an_error():
     t = trainer("fp16")
     t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)     # scaled fp16 gradients overflow to inf
     before = {n: p.detach().clone() for n, p in t.module.named_parameters()}
-    scalars = t.train_step([fixed_batch(8)])
-    assert math.isfinite(scalars["loss"]) and not math.isfinite(scalars["grad_norm"])
+    values = t.train_step([fixed_batch(8)])
+    assert math.isfinite(values["loss_contrastive"]) and not math.isfinite(values["grad_norm"])
+    assert not t.non_finite                                        # the scaler's to skip, not an error
     assert all(torch.equal(p, before[n]) for n, p in t.module.named_parameters())    # weights untouched
     assert t.scaler.get_scale() == 2.0 ** 126                                        # backoff factor 0.5
     assert t.step == 1
     t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)         # a scale that fits: a real step
-    scalars = t.train_step([fixed_batch(8)])
-    assert math.isfinite(scalars["grad_norm"]) and t.scaler.get_scale() == 2.0 ** 8
+    values = t.train_step([fixed_batch(8)])
+    assert math.isfinite(values["grad_norm"]) and t.scaler.get_scale() == 2.0 ** 8
     assert any(not torch.equal(p, before[n]) for n, p in t.module.named_parameters())
 
 

@@ -10,7 +10,14 @@ import torch
 from test_train_support import TinyClipModel, ToySource, config
 
 from clipfinetune.methods.clip import ClipMethod
-from clipfinetune.train import CheckpointError, NonFiniteLossError, Trainer, fingerprint, load_checkpoint
+from clipfinetune.train import (
+    CheckpointError,
+    Monitor,
+    NonFiniteLossError,
+    Trainer,
+    fingerprint,
+    load_checkpoint,
+)
 from clipfinetune.train.checkpoint import FORMAT, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,11 +29,13 @@ SETTINGS = {"epochs": 3, "batch_size": 8, "accum_steps": 2, "checkpoint_every": 
 
 
 def run(tmp_path, name, crash_at=None, fp="run-a", workers=0):    # workers > 0: see the shard-loader test
+    """(trainer, whether it resumed, the trained module), as the train stage runs it."""
     trainer = Trainer(ClipMethod(), TinyClipModel(seed=0), ToySource(n=40, batch_size=4, workers=workers,
                                                                        crash_at=crash_at),
-                      config(**SETTINGS), checkpoint_dir=tmp_path / name / "ckpt", live_dir=tmp_path / name / "live",
-                      fingerprint=fp)
-    return trainer, trainer.fit()
+                      config(**SETTINGS), checkpoint_dir=tmp_path / name / "ckpt", fingerprint=fp)
+    resumed = trainer.resume()
+    with Monitor(tmp_path / name / "live", trainer.total_steps, trainer.step, resumed) as monitor:
+        return trainer, resumed, trainer.fit(monitor)
 
 
 def loss_history(live_dir):
@@ -35,13 +44,13 @@ def loss_history(live_dir):
 
 
 def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
-    _, straight = run(tmp_path, "straight")
+    _, _, straight = run(tmp_path, "straight")
     # killed while loading micro-batch 5 of epoch 1 (optimiser step 8 of 15): the last checkpoint is step 4
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "resumed", crash_at=(1, 5))
     assert load_checkpoint(tmp_path / "resumed" / "ckpt" / "last.pt")["step"] == 4
-    trainer, resumed = run(tmp_path, "resumed")
-    assert trainer.resumed and trainer.step == 15
+    trainer, was_resumed, resumed = run(tmp_path, "resumed")
+    assert was_resumed and trainer.step == 15
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     # the dvclive history is continuous: steps 1..15 once each, equal to the uninterrupted run's losses
@@ -51,7 +60,7 @@ def test_interrupted_then_resumed_run_ends_with_the_weights_of_an_uninterrupted_
 
 def test_resume_after_a_kill_mid_write_of_the_dvclive_files(tmp_path):
     # dvclive writes in place: a SIGKILL can leave metrics.json empty and a metric row or header cut short
-    _, straight = run(tmp_path, "straight")
+    _, _, straight = run(tmp_path, "straight")
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "resumed", crash_at=(1, 5))
     live = tmp_path / "resumed" / "live"
@@ -60,8 +69,8 @@ def test_resume_after_a_kill_mid_write_of_the_dvclive_files(tmp_path):
     loss.write_text(loss.read_text() + "17321\t1")                  # a row cut inside its step field
     lr = live / "plots" / "metrics" / "lr.tsv"
     lr.write_text("timest")                                          # a file cut inside its header
-    trainer, resumed = run(tmp_path, "resumed")
-    assert trainer.resumed and trainer.step == 15
+    trainer, was_resumed, resumed = run(tmp_path, "resumed")
+    assert was_resumed and trainer.step == 15
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     assert loss_history(live) == loss_history(tmp_path / "straight" / "live")
@@ -73,9 +82,9 @@ def test_resume_after_a_kill_mid_write_of_the_dvclive_files(tmp_path):
 def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "shared", crash_at=(1, 5), fp="params-before")
-    trainer, changed = run(tmp_path, "shared", fp="params-after")
-    assert not trainer.resumed
-    _, fresh = run(tmp_path, "fresh", fp="params-after")
+    _, was_resumed, changed = run(tmp_path, "shared", fp="params-after")
+    assert not was_resumed
+    _, _, fresh = run(tmp_path, "fresh", fp="params-after")
     for (name, a), (_, b) in zip(fresh.state_dict().items(), changed.state_dict().items()):
         assert torch.equal(a, b), name
     assert load_checkpoint(tmp_path / "shared" / "ckpt" / "last.pt")["fingerprint"] == "params-after"
@@ -133,18 +142,36 @@ class NaNAtStep3(ClipMethod):
         return Loss()
 
 
-def test_non_finite_loss_stops_naming_step_and_term_and_keeps_the_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("log_every,precision", [(1, "fp32"), (4, "fp32"), (100, "fp32"), (4, "fp16")])
+def test_non_finite_loss_stops_naming_step_and_term_and_keeps_the_last_good_checkpoint(tmp_path, log_every,
+                                                                                       precision):
+    """The check reads the values every `log_every` steps and before each checkpoint: the bad step 3 is found at
+    step 3 (log_every 1), 4 (its block) or at the checkpoint of step 4; the optimiser skipped step 3 and every later
+    one on the device, so the weights are step 2's, and no checkpoint was written after it (fp16: with the
+    GradScaler's own skip in the same step)."""
     trainer = Trainer(NaNAtStep3(), TinyClipModel(), ToySource(n=40, batch_size=8),
-                      config(epochs=2, checkpoint_every=2), checkpoint_dir=tmp_path / "ckpt", fingerprint="x")
+                      config(epochs=2, checkpoint_every=2, log_every=log_every, precision=precision),
+                      checkpoint_dir=tmp_path / "ckpt", fingerprint="x")
+    if precision == "fp16":
+        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)   # this toy's scaled gradients fit fp16
+    logged = []
+
+    class Steps:
+        def log(self, step, scalars):
+            logged.append(step)
+
     with pytest.raises(NonFiniteLossError) as err:
-        trainer.fit()
+        trainer.fit(Steps())
     message = str(err.value)
     assert "optimiser step 3" in message and "'boom'" in message and "last.pt (step 2)" in message
+    assert logged == [1, 2]                                      # the good steps only
     ckpt = load_checkpoint(tmp_path / "ckpt" / "last.pt")
     assert ckpt["step"] == 2
-    for name, value in trainer.module.state_dict().items():      # weights untouched by the failed step
+    for name, value in trainer.module.state_dict().items():      # weights untouched from the failed step on
         assert torch.equal(ckpt["model"][name], value), name
         assert torch.isfinite(value).all()
+    for state in trainer.optimizer.state.values():               # AdamW's moments and step counters too
+        assert torch.isfinite(state["exp_avg"]).all() and state["step"].item() == 2
 
 
 class Payload:
@@ -159,8 +186,20 @@ def test_a_checkpoint_with_a_pickle_payload_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="refused") as err:
         load_checkpoint(path)
     assert str(path) in str(err.value)
+    trainer = Trainer(ClipMethod(), TinyClipModel(), ToySource(), config(), checkpoint_dir=path.parent)
     with pytest.raises(CheckpointError, match="refused"):
-        Trainer(ClipMethod(), TinyClipModel(), ToySource(), config(), checkpoint_dir=path.parent)
+        trainer.resume()
+
+
+def test_the_trainer_resumes_only_when_asked(tmp_path):
+    """Constructing a Trainer reads no checkpoint; `resume()` does, once, before `fit`."""
+    run(tmp_path, "done")
+    trainer = Trainer(ClipMethod(), TinyClipModel(seed=0), ToySource(n=40, batch_size=4), config(**SETTINGS),
+                      checkpoint_dir=tmp_path / "done" / "ckpt", fingerprint="run-a")
+    assert trainer.step == 0
+    assert trainer.resume() and trainer.step == 15
+    with pytest.raises(RuntimeError, match="before fit"):
+        trainer.resume()
 
 
 def test_a_truncated_checkpoint_gives_a_clear_error_naming_the_file(tmp_path):
@@ -233,15 +272,16 @@ def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(t
         loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=4, seed=0, num_workers=2,
                              shuffle_buffer=8)
         source = _Crashing(loader, crash_at) if crash_at else loader
-        return Trainer(ClipMethod(), TinyClipModel(seed=0), source,
+        made = Trainer(ClipMethod(), TinyClipModel(seed=0), source,
                        config(epochs=2, batch_size=4, checkpoint_every=4, lr=2e-3), checkpoint_dir=tmp_path / name,
                        fingerprint="shards")
+        return made, made.resume()
 
-    straight = trainer("straight").fit()
+    straight = trainer("straight")[0].fit()
     with pytest.raises(KeyboardInterrupt):
-        trainer("resumed", crash_at=(0, 5)).fit()                 # 6 steps per epoch; last checkpoint: step 4
-    again = trainer("resumed")
-    assert again.resumed and again.step == 4
+        trainer("resumed", crash_at=(0, 5))[0].fit()              # 6 steps per epoch; last checkpoint: step 4
+    again, resumed_it = trainer("resumed")
+    assert resumed_it and again.step == 4
     resumed = again.fit()
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name

@@ -108,12 +108,6 @@ class ExampleContext:
             raise RuntimeError("this ExampleContext has no token_span (pass token_span=model.token_span)")
         return self._token_span(text, char_start, char_end)
 
-    def online_negatives(self, caption: str, rng: random.Random) -> dict:
-        """FSC-CLIP's rule negatives, one per type (negclip/replace/shuffle) or None."""
-        from clipfinetune.data.negatives.rules import online_negatives
-
-        return online_negatives(caption, rng)
-
 
 def wanted_sources(shards_dir: str | Path, split: str, method) -> list[str] | None:
     """The sources of `split` whose records `method` wants, from the shards stage's index.json: a source is read

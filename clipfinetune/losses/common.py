@@ -9,6 +9,10 @@ token losses, distillation) stay local.
 
 `weighted_term` is how every loss module weights an optional term: a lambda of 0 gives a graph-connected zero
 and the term (with its inputs) is never computed.
+
+Rows that a term leaves out (a sample without a pair, a caption without negatives) are masked, never indexed out:
+`masked_cross_entropy` / `masked_mean` average over the kept rows with no host read, so a training step never waits
+for the device to say how many rows there are (an empty selection is an exact 0, in the graph).
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+IGNORED = -100          # F.cross_entropy's ignore_index: the target of a row left out of the mean
 
 
 def world() -> tuple[int, int]:
@@ -44,6 +50,20 @@ def weighted_term(weight: float, zero: torch.Tensor, term: Callable[[], torch.Te
     """`weight * term()`, or `zero` (a 0 still in the graph) without calling `term` when the weight is 0, so that
     an ablated term's inputs need not be in the features dict."""
     return zero if weight == 0 else weight * term()
+
+
+def masked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`F.cross_entropy(logits[rows], target[rows])` without selecting on the host: the other rows are scored on
+    zeros (finite, whatever they held) and ignored; 0, in the graph with a zero gradient, when no row is kept."""
+    logits = torch.where(rows[:, None], logits, 0.0)
+    loss = F.cross_entropy(logits, target.masked_fill(~rows, IGNORED), ignore_index=IGNORED)
+    return torch.where(rows.any(), loss, torch.zeros_like(loss))      # no kept row: 0/0 in cross_entropy
+
+
+def masked_mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`values[rows].mean()` without selecting on the host (0 when no row is kept; other rows may hold anything
+    finite)."""
+    return torch.where(rows, values, 0.0).sum() / rows.sum().clamp(min=1)
 
 
 def contrastive_labels(n_local: int, device) -> torch.Tensor:
@@ -85,9 +105,6 @@ def masked_clip_contrastive_loss(a: torch.Tensor, b: torch.Tensor, logit_scale: 
         same = groups.to(a.dtype)[:, None] == all_groups[0][None, :]
         diagonal = labels[:, None] == torch.arange(all_a.shape[0], device=a.device)[None, :]
         keep = keep & ~(same & ~diagonal)                                  # drop same-group negatives
-    if not bool(valid.any()):
-        return (a.sum() + b.sum()) * 0.0
     logits_ab = (logit_scale * a @ all_b.T).masked_fill(~keep, float("-inf"))
     logits_ba = (logit_scale * b @ all_a.T).masked_fill(~keep, float("-inf"))
-    return (F.cross_entropy(logits_ab[valid], labels[valid])
-            + F.cross_entropy(logits_ba[valid], labels[valid])) / 2
+    return (masked_cross_entropy(logits_ab, labels, valid) + masked_cross_entropy(logits_ba, labels, valid)) / 2

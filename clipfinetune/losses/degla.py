@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import contrastive_labels, gather_features, weighted_term, world
+from .common import contrastive_labels, gather_features, masked_cross_entropy, weighted_term, world
 
 
 def hard_negative_contrastive_loss(image, text, neg_text, neg_valid, logit_scale) -> torch.Tensor:
@@ -74,13 +74,11 @@ def own_negative_choice_loss(anchor, positive, neg_text, neg_valid, scale) -> to
     keep = neg_valid.any(dim=1)
     pos = torch.einsum("bd,bd->b", anchor, positive).unsqueeze(1)
     neg = torch.einsum("bd,bkd->bk", anchor, neg_text)
-    if not bool(keep.any()):
-        return (pos.sum() + neg.sum()) * 0.0                        # 0, in the graph, finite gradient
     valid = torch.cat([torch.ones_like(neg_valid[:, :1]), neg_valid], dim=1)
     # mask after scaling: scale * (-inf) would give the scale a NaN gradient (0 * -inf)
     logits = (scale * torch.cat([pos, neg], dim=1)).masked_fill(~valid, float("-inf"))   # [B, 1+K]
-    target = torch.zeros(int(keep.sum()), dtype=torch.long, device=anchor.device)
-    return F.cross_entropy(logits[keep], target)
+    target = torch.zeros_like(keep, dtype=torch.long)                                      # the positive, column 0
+    return masked_cross_entropy(logits, target, keep)             # no row with a negative: 0, in the graph
 
 
 def image_grounded_contrast_loss(image, text, neg_text, neg_valid, logit_scale) -> torch.Tensor:

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss, weighted_term
+from .common import clip_contrastive_loss, masked_mean, weighted_term
 
 LHN_WEIGHTINGS = ("minmax", "sparse", "softmax")
 
@@ -64,9 +64,7 @@ def selective_calibrated_loss(logits: torch.Tensor, neg_valid: torch.Tensor, foc
     logits [R, 1+K] (missing negatives may hold any value: they are masked here), neg_valid [R, K] bool.
     """
     keep = neg_valid.any(dim=1)                                        # rows with >= 1 valid negative
-    if not bool(keep.any()):
-        return logits.masked_fill(~torch.isfinite(logits), 0).sum() * 0.0   # 0, in the graph, finite grad
-    logits, neg_valid = logits[keep], neg_valid[keep]
+    logits = torch.where(keep[:, None], logits, 0.0)                   # other rows: finite, masked out below
     valid = torch.cat([torch.ones_like(neg_valid[:, :1]), neg_valid], dim=1)          # [R, 1+K]
     log_p = F.log_softmax(logits.masked_fill(~valid, float("-inf")), dim=1)           # eq. (3)/(5): log p_{i,k}
     p = log_p.exp()                                                                    # 0 for missing classes
@@ -75,7 +73,8 @@ def selective_calibrated_loss(logits: torch.Tensor, neg_valid: torch.Tensor, foc
     y = valid.to(logits.dtype) * label_smoothing / (1 + n_i)                           # eq. (10), valid only
     y[:, 0] += 1 - label_smoothing
     focal = (1 - p).clamp_min(0).pow(focal_gamma)                                      # eq. (9): (1 - p)^gamma
-    return (y * focal * -log_p).sum(dim=1).mean()                                     # eq. (9): sum_k ... l_{i,k}
+    rows = (y * focal * -log_p).sum(dim=1)                                             # eq. (9): sum_k ... l_{i,k}
+    return masked_mean(rows, keep)                                     # no row with a negative: 0, in the graph
 
 
 def global_hn_logits(image: torch.Tensor, text: torch.Tensor, neg_text: torch.Tensor,

@@ -44,7 +44,8 @@ Returned terms (already weighted): `contrastive` (L_global), `local_contrastive`
 `tsl_text` (the two halves of L_TSL); their sum is eq. (11). A term whose lambda is 0 is a graph-connected zero
 and its inputs are not read (lambda_local = lambda_tsl = 0, GOAL's "global fine-tuning" ablation, needs only
 `image`, `text`, `logit_scale`). Counts
-are NOT in the returned dict (every value there is a loss); after each call `self.stats` holds plain ints:
+are NOT in the returned dict (every value there is a loss); after each call `self.stats` holds them as 0-dim
+tensors on the device (never read in the step; tests read them):
 `n_local` (rows with a local pair), `n_global_only` (images without one), `n_tsl_text_dropped` (local pairs
 whose sentence span was truncated away).
 """
@@ -56,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss, masked_clip_contrastive_loss, weighted_term
+from .common import clip_contrastive_loss, masked_clip_contrastive_loss, masked_mean, weighted_term
 
 
 def global_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
@@ -77,14 +78,13 @@ def token_similarity_loss(pooled: torch.Tensor, target: torch.Tensor, valid: tor
     `diag`: mean_i (cos(pooled_i, target_i) - 1)^2 (authors' code); `identity`: mean over the n x n cosine
     matrix of the valid rows of (cos_ij - delta_ij)^2 (eq. 14 as written).
     """
-    if not bool(valid.any()):
-        return (pooled[valid].sum() + target[valid].sum()) * 0.0   # empty: 0, still in the graph
-    p = F.normalize(pooled[valid], dim=-1)
-    t = F.normalize(target[valid], dim=-1)
+    p = F.normalize(pooled, dim=-1)              # invalid rows hold finite placeholders; masked out below
+    t = F.normalize(target, dim=-1)
     if tsl_target == "diag":
-        return F.mse_loss((p * t).sum(dim=-1), torch.ones(p.shape[0], dtype=p.dtype, device=p.device))
+        return masked_mean(((p * t).sum(dim=-1) - 1).pow(2), valid)          # empty: 0, still in the graph
     sim = p @ t.T
-    return F.mse_loss(sim, torch.eye(p.shape[0], dtype=p.dtype, device=p.device))
+    eye = torch.eye(p.shape[0], dtype=p.dtype, device=p.device)
+    return masked_mean((sim - eye).pow(2), valid[:, None] & valid[None, :])  # the valid rows' n x n matrix
 
 
 class GoalLoss(nn.Module):
@@ -99,7 +99,7 @@ class GoalLoss(nn.Module):
         self.lambda_local = lambda_local
         self.lambda_tsl = lambda_tsl
         self.tsl_target = tsl_target
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, features: dict) -> dict[str, torch.Tensor]:
         f = features
@@ -112,8 +112,8 @@ class GoalLoss(nn.Module):
         local_valid = f["local_valid"].bool()
         span_valid = f.get("span_valid")
         text_valid = local_valid & (span_valid.bool() if span_valid is not None else True)
-        self.stats = {"n_local": int(local_valid.sum()), "n_global_only": int((~local_valid).sum()),
-                      "n_tsl_text_dropped": int((local_valid & ~text_valid).sum())}
+        self.stats = {"n_local": local_valid.sum(), "n_global_only": (~local_valid).sum(),
+                      "n_tsl_text_dropped": (local_valid & ~text_valid).sum()}
         terms["local_contrastive"] = weighted_term(self.lambda_local, zero, lambda: local_loss(
             f["local_image"], f["local_text"], logit_scale, local_valid))
         if self.lambda_tsl == 0:

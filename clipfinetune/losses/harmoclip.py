@@ -53,9 +53,9 @@ Features dict expected by `HarmoClipLoss.forward` (B = per-rank batch, L = text 
 
 Returned terms (already weighted): `contrastive` (L_GC), `lexeme_region` (L_LRC), `global_region` (L_GR).
 A term whose lambda is 0 is a graph-connected zero and its inputs are not read (with both 0 only `image`,
-`text`, `logit_scale` are needed). After each call `self.stats` holds plain ints
-(`n_pairs`: valid pairs on this rank, `n_without_pair`): counts are never put in the returned dict, so every
-value the trainer sums is a loss.
+`text`, `logit_scale` are needed). After each call `self.stats` holds 0-dim count tensors on the device (never read
+in the step; tests read them) (`n_pairs`: valid pairs on this rank, `n_without_pair`): counts are never put in the
+returned dict, so every value the trainer sums is a loss.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import clip_contrastive_loss, masked_clip_contrastive_loss, weighted_term
+from .common import clip_contrastive_loss, masked_clip_contrastive_loss, masked_mean, weighted_term
 
 
 def lexeme_features(text_tokens: torch.Tensor, word_mask: torch.Tensor) -> torch.Tensor:
@@ -94,9 +94,8 @@ def global_region_alignment_loss(region: torch.Tensor, region_teacher: torch.Ten
     r = F.normalize(region, dim=-1)
     e = F.normalize(region_teacher.detach(), dim=-1)
     cos = (r * e).sum(dim=-1)
-    if not bool(valid.any()):
-        return region[valid].sum() * 0.0   # empty: 0, still in the graph
-    return 1.0 - cos[valid].mean()                                                              # eq. (8)
+    loss = 1.0 - masked_mean(cos, valid)                                                        # eq. (8)
+    return torch.where(valid.any(), loss, torch.zeros_like(loss))      # empty: 0, still in the graph
 
 
 class HarmoClipLoss(nn.Module):
@@ -107,7 +106,7 @@ class HarmoClipLoss(nn.Module):
         self.lambda_lrc = lambda_lrc
         self.lambda_gr = lambda_gr
         self.mask_same_category = mask_same_category
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, features: dict) -> dict[str, torch.Tensor]:
         f = features
@@ -121,7 +120,7 @@ class HarmoClipLoss(nn.Module):
         valid = word_mask.any(dim=1)
         if f.get("pair_valid") is not None:
             valid = valid & f["pair_valid"].bool()
-        self.stats = {"n_pairs": int(valid.sum()), "n_without_pair": int((~valid).sum())}
+        self.stats = {"n_pairs": valid.sum(), "n_without_pair": (~valid).sum()}
         category = f["category"] if self.mask_same_category else None
         terms["lexeme_region"] = weighted_term(self.lambda_lrc, zero, lambda: lexeme_region_contrastive_loss(
             f["region"], lexeme_features(f["text_tokens"], word_mask), logit_scale, valid, category))

@@ -57,7 +57,8 @@ Features dict expected by `MulClipLoss.forward` (B per-rank batch, P patches, L 
 Returned terms (already weighted): `contrastive` (image vs long caption), `contrastive_short` (x lambda_short),
 `word_patch` (L_Word x lambda_W), `subcaption_patch` (L_Sub x lambda_S). A term whose lambda is 0 is a
 graph-connected zero and its inputs are not read (lambda_W = lambda_S = 0, the "Global only" ablation, needs
-`image`, `text` and `text_short` or `sub_text`/`sub_valid`). After each call `self.stats` holds plain ints (never in the returned dict):
+`image`, `text` and `text_short` or `sub_text`/`sub_valid`). After each call `self.stats` holds 0-dim count tensors
+on the device (never in the returned dict, never read in the step; tests read them):
 `n_subcaptions`, `n_subcaptions_dropped` (beyond max_subcaptions), `n_wpr_skipped` (no local text token).
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import contrastive_labels, gather_features, weighted_term
+from .common import contrastive_labels, gather_features, masked_mean, weighted_term
 from .mulclip_modules import ContrastHead, TokenCalibration
 
 
@@ -142,9 +143,7 @@ def word_patch_reconstruction_loss(v_ref: torch.Tensor, t_ref: torch.Tensor, hea
         return contrast_rows(tokens, recon, tokens, recon, labels, ones, ones, head).mean(dim=-1)
 
     per_sample = recon_loss(v_ref, recon_v) + recon_loss(t_ref, recon_t)                          # eq. (8)
-    if not bool(valid.any()):
-        return per_sample[valid].sum() * 0.0                           # empty: 0, still in the graph
-    return per_sample[valid].mean()
+    return masked_mean(per_sample, valid)                              # empty: 0, still in the graph
 
 
 def aggregate_patches(sub: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
@@ -176,7 +175,7 @@ class MulClipLoss(nn.Module):
         self.lambda_short, self.lambda_word, self.lambda_sub = lambda_short, lambda_word, lambda_sub
         self.max_subcaptions = max_subcaptions
         self.drop_eot = drop_eot
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, torch.Tensor] = {}
 
     def new_modules(self) -> nn.ModuleDict:
         """Every learnable module MulCLIP adds to CLIP (for the higher-lr parameter group)."""
@@ -196,8 +195,8 @@ class MulClipLoss(nn.Module):
             sub_all, sub_valid_all = f["sub_text"], f["sub_valid"].bool()
             sub, sub_valid = sub_all[:, :self.max_subcaptions], sub_valid_all[:, :self.max_subcaptions]
             sub = torch.where(sub_valid[..., None], sub, torch.zeros_like(sub))   # finite, never in a loss
-            self.stats = {"n_subcaptions": int(sub_valid.sum()),
-                          "n_subcaptions_dropped": int(sub_valid_all[:, self.max_subcaptions:].sum())}
+            self.stats = {"n_subcaptions": sub_valid.sum(),
+                          "n_subcaptions_dropped": sub_valid_all[:, self.max_subcaptions:].sum()}
         else:
             self.stats = {}
         if f.get("text_short") is not None:
@@ -211,7 +210,7 @@ class MulClipLoss(nn.Module):
         if self.lambda_word == 0 and self.lambda_sub == 0:                # global-only ablation: no token inputs
             return dict(terms, word_patch=zero, subcaption_patch=zero)
         v_ref, t_ref, has_text = self.calibrate(f["patches"], f["text_tokens"], f["text_mask"].bool())
-        self.stats["n_wpr_skipped"] = int((~has_text).sum())
+        self.stats["n_wpr_skipped"] = (~has_text).sum()
         terms["word_patch"] = weighted_term(self.lambda_word, zero, lambda: word_patch_reconstruction_loss(
             v_ref, t_ref, self.heads["word"], has_text))
         terms["subcaption_patch"] = weighted_term(self.lambda_sub, zero, lambda: subcaption_aggregated_patch_loss(

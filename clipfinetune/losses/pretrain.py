@@ -25,7 +25,7 @@ from .common import clip_contrastive_loss
 def region_text_loss(region: torch.Tensor, region_text: torch.Tensor, region_class: torch.Tensor,
                      logit_scale: torch.Tensor) -> torch.Tensor:
     """L_rt: each region against the batch's distinct names (rows of equal `region_class` share one embedding)."""
-    classes, target = torch.unique(region_class, return_inverse=True)
+    classes, target = torch.unique(region_class, return_inverse=True)    # sync: one row per name the batch holds
     rows = torch.arange(len(target), device=target.device)
     first = torch.zeros(len(classes), dtype=torch.long, device=target.device).scatter_(0, target, rows)  # a row per name
     logits = logit_scale * region @ region_text[first].T

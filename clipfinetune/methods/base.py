@@ -1,36 +1,39 @@
 """The Method protocol of DEVELOPERS.md as a base class with the optional parts filled in.
 
 The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
-loop. Construction: `cls(**config)`, where `config` is the run's own params group `runs.<run>` without its `method`
+loop. What differs between methods is a hook here, called by the trainer without asking who answers; the defaults
+are open_clip's conventions (`clipfinetune/conventions.py`, METHODS.md 0.3; a method never imports the trainer).
+Construction: `cls(**config)`, where `config` is the run's own params group `runs.<run>` without its `method`
 (loss weights, `terms`, `unlocked_vision_layers`, `max_sentences`, ...) plus
 the keys of `train.<method>` that the method lists in `train_keys` (e.g. MulCLIP's `new_module_lr`).
 A subclass either names its keyword arguments (a typo in params.yaml then fails loudly) or reads `self.config`.
 
 Features returned by `build(model)(batch)` must be tensors whose dim 0 indexes the batch's samples, or 0-dim
 tensors shared by the batch (e.g. `logit_scale`): with `accum_steps > 1` the loop concatenates micro-batches'
-features along dim 0 (open_clip's feature cache) before calling the loss.
+features along dim 0 (open_clip's feature cache) before calling the loss. The built module holds the ClipModel as
+`module.model`. A loss may own parameters (`loss().parameters()`): they must be parameters of the built module too
+(DDP syncs them, checkpoints carry them; e.g. `build` registers the loss as a submodule and `loss()` returns that
+instance), their learning rate comes from `param_groups`, and with accumulation their gradient is taken in one pass.
+Every trainable parameter must get a gradient at every step (freeze what a run does not use): DDP runs without
+`find_unused_parameters`.
 """
 from __future__ import annotations
 
 import random
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
+
+from clipfinetune.conventions import MAX_LOGIT_SCALE, no_weight_decay
 
 
 class Method:
-    # open_clip's optimiser conventions the forks inherit (METHODS.md 0.3): no weight decay on gains, biases and
-    # logit_scale, and logit_scale clamped to [0, ln 100] after each step; a method whose paper's code does
-    # neither (GOAL) turns them off
-    weight_decay_exclusions: bool = True
-    clamp_logit_scale: bool = True
     name: str = ""
     # the loss's term names -> the constructor weight that switches the term on (None: always computed); `custom`
     # mixes terms by these names ("<method>.<term>")
     terms: ClassVar[dict[str, str | None]] = {}
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
-    find_unused_parameters: bool = False        # DDP: True if some trainable params may skip a forward
-    uses_logit_scale: bool = True               # the model's own logit_scale enters this method's loss
     epoch_unit: str = "image"                   # what the paper's epoch iterates: image | caption | word_region
 
     def __init__(self, **config: Any):
@@ -64,19 +67,26 @@ class Method:
         """forward(features) -> {term name: weighted scalar tensor}; the trainer sums and logs them."""
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
-    # ----------------------------------------------------------------------------------- optional hooks
-    def join_mix(self, terms: frozenset[str]) -> None:
-        """Called by `custom` before `build`: the model is shared with other methods and only `terms` of this
-        method's loss are summed. A method then freezes nothing of the shared model that another method may
-        train (`custom` freezes the model's logit_scale when no method uses it) and only its own parameters
-        that no summed term uses."""
-
+    # ----------------------------------------------------------------------------------- hooks the trainer calls
     def param_groups(self, module: nn.Module) -> list[dict]:
-        """Extra optimiser groups: [{"name", "params", "lr"[, "weight_decay"]}]; the rest uses `train.lr`."""
+        """Extra optimiser groups: [{"name", "params", "lr"[, "weight_decay"]}] (e.g. parameters the loss owns at
+        their own learning rate); every other trainable parameter trains at `train.lr`."""
         return []
 
+    def no_weight_decay(self, name: str, param: torch.Tensor) -> bool:
+        """Whether the optimiser leaves this trainable parameter of the built module undecayed: open_clip's rule
+        (gains, biases, embeddings of ndim < 2, the logit scale)."""
+        return no_weight_decay(name, param)
+
+    def clamp(self, module: nn.Module) -> None:
+        """After every optimiser step, under no_grad: bring parameters back into their range. open_clip clamps the
+        model's logit scale to [0, ln 100] (a frozen one is left as it is)."""
+        scale = module.model.clip.logit_scale
+        if scale.requires_grad:
+            scale.clamp_(0, MAX_LOGIT_SCALE)
+
     def after_step(self, module: nn.Module) -> None:
-        """Called after every optimiser step (e.g. DeGLA's EMA teacher update)."""
+        """Called after every optimiser step and `clamp` (e.g. DeGLA's EMA teacher update)."""
 
     def final_model(self, module: nn.Module, model):
         """The ClipModel to export after training (e.g. with LoRA merged); default: the model itself."""
@@ -89,6 +99,20 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    # ----------------------------------------------------------------------------------- composition (`custom`)
+    def join_mix(self, terms: frozenset[str]) -> None:
+        """Called by `custom` before `build`: the model is shared with other methods and only `terms` of this
+        method's loss are summed. A method then freezes nothing of the shared model that another method may
+        train (`custom` freezes what no method of the mix reads, `unused_model_parameters`) and only its own
+        parameters that no summed term uses."""
+
+    def unused_model_parameters(self, model) -> list[nn.Parameter]:
+        """Parameters of the model that no term of this method reads (e.g. a loss with its own temperature
+        leaves the model's logit scale unused). A method alone freezes them in `build` (else they would drift
+        under weight decay and DDP would wait for their gradient); in a mix `custom` freezes those that no method
+        of the mix reads."""
+        return []
 
 
 class CaptionUnits:

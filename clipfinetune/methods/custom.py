@@ -27,23 +27,24 @@ Decisions:
   Consequence: with harmoclip + degla + fsc_clip (+ clip) only COCO records having word regions AND LLM negatives
   train; mixing a DOCCI method (goal, mulclip) with a COCO one wants nothing (records are one or the other), so
   goal/mulclip terms need `"clip.contrastive": 0` and no COCO method.
-- **Features computed once where shared**: during the forward the shared model's `image_features`,
-  `encode_image`, `text_features` and `encode_text` are memoised by input tensor (the shared `image` is one
-  tensor object for every method). `encode_*(x)` is served as `*_features(x)["global_"]` (the same computation,
-  bit for bit) and a `dense=False` image request reuses a `dense=True` result. Teachers are separate modules and
-  are not shared. Features are returned flat as `"<method>.<key>"` (the trainer's accumulation cache concatenates
-  them along dim 0).
+- **Features computed once where shared**: the forward runs inside the shared model's `reusing_features()`
+  (`ClipModel`: within the block a feature call on an input tensor already seen returns the first result; the shared
+  `image` is one tensor object for every method). `encode_*(x)` is then served as `*_features(x)["global_"]` (the
+  same computation, bit for bit) and a `dense=False` image request reuses a `dense=True` result. Teachers are
+  separate modules and are not shared. Features are returned flat as `"<method>.<key>"` (the trainer's accumulation
+  cache concatenates them along dim 0).
 - Every method builds on the SAME model (teachers copy it at their build, in mix order). Each method is told its
   summed terms first (`Method.join_mix`): it then freezes only what no summed term of its own uses (MulCLIP: its
-  global head when neither of its global terms is named) and nothing of the shared model; the model's
-  `logit_scale` is frozen here only if no involved method uses it (`Method.uses_logit_scale`). So GOAL's terms
-  keep training CLIP's temperature next to MulCLIP's own heads, and no trainable parameter is left without a
-  gradient. `find_unused_parameters` is still set if any involved method asks for it.
+  global head when neither of its global terms is named) and nothing of the shared model; a parameter of the model
+  is frozen here only if no involved method reads it (`Method.unused_model_parameters`: MulCLIP's terms do not read
+  the model's logit_scale). So GOAL's terms keep training CLIP's temperature next to MulCLIP's own heads, and no
+  trainable parameter is left without a gradient.
+- Hooks: parameter groups, `clamp`, `after_step` and `final_model` are each method's own, on its part of the built
+  module (a GOAL term does not clamp the logit scale, a CLIP term does); weight decay follows open_clip's rule.
 - The trainer sums the returned terms, named `"<method>.<term>"`; the losses' counts are merged into `stats`.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 
@@ -93,55 +94,17 @@ def method_config(method: str, terms: dict[str, float]) -> dict[str, float]:
     return config
 
 
-@contextlib.contextmanager
-def shared_features(model):
-    """Memoise the model's feature calls by input tensor for the duration of one forward."""
-    cache: dict = {}
-    image_features, text_features = model.image_features, model.text_features
-    encode_image, encode_text = model.encode_image, model.encode_text
-
-    def memo_image_features(x, dense: bool = False):
-        hit = cache.get(("image", id(x), True)) or cache.get(("image", id(x), dense))
-        if hit is None:
-            hit = cache[("image", id(x), dense)] = (x, image_features(x, dense=dense))
-        return hit[1]
-
-    def memo_text_features(t, trim: bool = True, detach_token_projection: bool = False):
-        # HarmoCLIP's detached token projection is a different graph: its own entry (a second text forward)
-        key = ("text", id(t), trim) + (("detached",) if detach_token_projection else ())
-        hit = cache.get(key)
-        if hit is None:
-            hit = cache[key] = (t, text_features(t, trim=trim, detach_token_projection=detach_token_projection))
-        return hit[1]
-
-    def memo_encode_image(x, normalize: bool = True):
-        return memo_image_features(x)["global_"] if normalize else encode_image(x, normalize=False)
-
-    def memo_encode_text(t, normalize: bool = True):
-        return memo_text_features(t)["global_"] if normalize else encode_text(t, normalize=False)
-
-    patched = {"image_features": memo_image_features, "text_features": memo_text_features,
-               "encode_image": memo_encode_image, "encode_text": memo_encode_text}
-    for name, fn in patched.items():
-        object.__setattr__(model, name, fn)
-    try:
-        yield
-    finally:
-        for name in patched:
-            model.__dict__.pop(name, None)
-
-
 class CustomModule(nn.Module):
     """The methods' feature modules over one shared model; forward(batch) -> flat "<method>.<key>" features."""
 
     def __init__(self, model, parts: dict[str, nn.Module]):
         super().__init__()
         self.parts = nn.ModuleDict(parts)
-        object.__setattr__(self, "shared_model", model)      # registered once per part already
+        self.model = model                  # the parts' shared model (its parameters are the parts' own, not copies)
 
     def forward(self, batch: dict) -> dict:
         features = {}
-        with shared_features(self.shared_model):
+        with self.model.reusing_features():
             for name, part in self.parts.items():
                 prefix = f"{name}."
                 view = {k[len(prefix):]: v for k, v in batch.items() if k.startswith(prefix)}
@@ -181,7 +144,6 @@ class CustomMethod(Method):
                                            for m, ts in self.weights.items()}
         for name, method in self.methods.items():
             method.join_mix(frozenset(self.weights[name]))
-        self.find_unused_parameters = any(m.find_unused_parameters for m in self.methods.values())
 
     def wants(self, record: dict) -> bool:
         return all(m.wants(record) for m in self.methods.values())
@@ -201,8 +163,10 @@ class CustomMethod(Method):
 
     def build(self, model) -> nn.Module:
         parts = {name: m.build(model) for name, m in self.methods.items()}
-        if not any(m.uses_logit_scale for m in self.methods.values()):
-            model.clip.logit_scale.requires_grad_(False)           # no term of the mix uses it (DDP, decay)
+        unused = set.intersection(*({id(p) for p in m.unused_model_parameters(model)} for m in self.methods.values()))
+        for p in model.parameters():
+            if id(p) in unused:
+                p.requires_grad_(False)                            # no term of the mix reads it (DDP, decay)
         return CustomModule(model, parts)
 
     def loss(self) -> nn.Module:
@@ -212,6 +176,10 @@ class CustomMethod(Method):
         return [dict(g, name=f"{name}.{g.get('name', i)}")
                 for name, m in self.methods.items()
                 for i, g in enumerate(m.param_groups(module.parts[name]))]
+
+    def clamp(self, module: nn.Module) -> None:
+        for name, m in self.methods.items():
+            m.clamp(module.parts[name])
 
     def after_step(self, module: nn.Module) -> None:
         for name, m in self.methods.items():

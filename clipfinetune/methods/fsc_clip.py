@@ -1,9 +1,9 @@
 """FSC-CLIP (Oh et al., EMNLP 2024): the data and forward glue around `losses.fsc_clip.FscClipLoss`.
 
 Data: a shard record with short captions (any source: COCO, image-text pairs; long-caption-only records are skipped).
-Each step draws one caption with the loader's `rng` and FRESH rule negatives for it (`ctx.online_negatives(caption,
-rng)`: negclip swap, WordNet replace, bi-gram shuffle, METHODS §2.2), so every epoch sees new negatives, as the
-authors' loader does. Example:
+Each step draws one caption with the loader's `rng` and FRESH rule negatives for it (`rule_negatives(caption, rng)`:
+negclip swap, WordNet replace, bi-gram shuffle, METHODS §2.2, `data/negatives/rules.py`, run in the loader workers),
+so every epoch sees new negatives, as the authors' loader does. Example:
 
     image      [3, S, S]
     text       [1+K, C]  row 0 the positive, row 1+k the negative of type NEGATIVE_TYPES[k]
@@ -96,9 +96,15 @@ class FscClipMethod(CaptionUnits, Method):
     def wants(self, record: dict) -> bool:
         return bool(record.get("captions"))
 
+    def rule_negatives(self, caption: str, rng: random.Random) -> dict[str, str | None]:
+        """FSC-CLIP's online negatives of `caption`, one per type of NEGATIVE_TYPES (None: that rule found none)."""
+        from clipfinetune.data.negatives.rules import online_negatives
+
+        return online_negatives(caption, rng)
+
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         caption = rng.choice(record["captions"])
-        negatives = ctx.online_negatives(caption, rng)
+        negatives = self.rule_negatives(caption, rng)
         found = [negatives.get(t) for t in NEGATIVE_TYPES]
         valid = [bool(n) for n in found]
         texts = [caption] + [n if ok else PLACEHOLDER for n, ok in zip(found, valid)]

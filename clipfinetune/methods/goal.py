@@ -113,10 +113,6 @@ class GoalMethod(Method):
         "contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
         "tsl_text": "lambda_tsl"}
     epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
-    # goal_loss_finetuning.py: AdamW(model.parameters(), lr, weight_decay=0.05), no param groups, and no clamp of
-    # logit_scale in the loop (METHODS.md 3.2, 3.4 item 6, 6.8)
-    weight_decay_exclusions = False
-    clamp_logit_scale = False
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):
@@ -154,6 +150,14 @@ class GoalMethod(Method):
         return dict(example, local_image=ctx.crop(image, box), local_text=ctx.tokenize_long([sentence["text"]])[0],
                     box=torch.as_tensor(ctx.resize_boxes(torch.tensor([box], dtype=torch.float32), image.size))[0].float(),
                     span_mask=span_mask, local_valid=torch.tensor(True), span_valid=torch.tensor(bool(span)))
+
+    # goal_loss_finetuning.py: AdamW(model.parameters(), lr, weight_decay=0.05), no param groups, and no clamp of
+    # logit_scale in the loop (METHODS.md 3.2, 3.4 item 6, 6.8)
+    def no_weight_decay(self, name: str, param: torch.Tensor) -> bool:
+        return False                                          # every parameter decays
+
+    def clamp(self, module: nn.Module) -> None:
+        pass                                                  # the logit scale is never clamped
 
     def build(self, model) -> nn.Module:
         stretch_to_long(model, freeze_kept=False)            # GOAL's port: all 248 rows train

@@ -27,7 +27,7 @@ Decisions the paper leaves open (besides those of the loss module):
   drifts under weight decay nor leaves DDP waiting for its gradient. In a `custom` mix it is NOT MulCLIP's to
   freeze: it is the learnable temperature of the other methods' softmax terms (GOAL's L_global and local
   contrast train it, METHODS §3.2, no clamp), so each term keeps its own paper's temperature and `custom`
-  freezes it only if no method uses it (`uses_logit_scale = False` here).
+  freezes it only if no method uses it (`unused_model_parameters` here).
   New modules a run never uses are frozen as well (global-only: both calibrations and the word/sub heads;
   lambda_word = 0: the text calibration and the word head; lambda_sub = 0: the sub head; in a mix naming
   neither `contrastive` nor `contrastive_short`: the global head, whose terms are computed but not summed).
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Method
+from .base import MAX_LOGIT_SCALE, Method
 from .goal import LONG_CONTEXT, stretch_to_long
 
 
@@ -69,9 +69,10 @@ class MulClipModule(nn.Module):
         text = model.text_features(long_text)
         # eq. (9) queries the patches with the raw sentence embeddings t_sub,i (every contrast normalises its own
         # inputs, so only the attention sees the norm); trimmed to the longest SENTENCE
-        encoded = model.encode_text(sub_tokens[sub_valid], normalize=False)
-        sub = encoded.new_zeros(*sub_valid.shape, encoded.shape[1])
-        sub[sub_valid] = encoded
+        rows = sub_valid.flatten().nonzero().squeeze(1)      # sync: as many rows to encode as valid sentences
+        encoded = model.encode_text(sub_tokens.flatten(0, 1)[rows], normalize=False)
+        sub = encoded.new_zeros(sub_valid.numel(), encoded.shape[1]).index_copy(0, rows, encoded)
+        sub = sub.view(*sub_valid.shape, -1)
         pad = LONG_CONTEXT - text["tokens"].shape[1]              # trimmed -> the calibration's 248 slots
         return {"image": image["global_"], "patches": image["patches"], "text": text["global_"],
                 "text_tokens": F.pad(text["tokens"], (0, 0, 0, pad)),
@@ -86,7 +87,6 @@ class MulClipMethod(Method):
         "subcaption_patch": "lambda_sub"}
     epoch_unit = "image"            # one long (DOCCI) caption per image: an epoch is one pass over the images
     train_keys = frozenset({"new_module_lr"})
-    uses_logit_scale = False                                      # each objective has its own ContrastHead
     GLOBAL_TERMS = frozenset({"contrastive", "contrastive_short"})
 
     def __init__(self, lambda_short: float = 0.5, lambda_word: float = 1.0, lambda_sub: float = 1.0,
@@ -122,7 +122,8 @@ class MulClipMethod(Method):
 
         stretch_to_long(model, freeze_kept=True)                   # Long-CLIP: rows 0..19 frozen
         if self._mix_terms is None:                                # alone: the sigmoid heads carry the scales
-            model.clip.logit_scale.requires_grad_(False)           # (in a mix: `custom` decides, see above)
+            for p in self.unused_model_parameters(model):          # (in a mix: `custom` decides, see above)
+                p.requires_grad_(False)
         loss = MulClipLoss(model.embed_dim, model.num_patches, model.context_length, token_ratio=self.token_ratio,
                            lambda_short=self.lambda_short, lambda_word=self.lambda_word, lambda_sub=self.lambda_sub,
                            max_subcaptions=self.max_sentences)
@@ -139,6 +140,14 @@ class MulClipMethod(Method):
         if self._loss is None:
             raise RuntimeError("MulClipMethod.loss() needs build() first: the loss owns modules of the built module")
         return self._loss
+
+    def unused_model_parameters(self, model) -> list[nn.Parameter]:
+        return [model.clip.logit_scale]                            # each objective has its own ContrastHead
+
+    def clamp(self, module: nn.Module) -> None:
+        for head in module.new_modules.heads.values():   # its own scales, as open_clip clamps SigLIP's (the model's
+            if head.logit_scale.requires_grad:          # scale is not MulCLIP's: frozen alone, in a mix the others')
+                head.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
 
     def param_groups(self, module: nn.Module) -> list[dict]:
         if self.new_module_lr is None:

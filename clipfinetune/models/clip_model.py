@@ -21,6 +21,7 @@ Decisions the papers leave open:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import open_clip
@@ -49,6 +50,7 @@ class ClipModel(nn.Module):
         self.preprocess_cfg = {"size": list(clip.visual.image_size), "mode": "RGB",
                                "mean": list(preprocess["mean"]), "std": list(preprocess["std"]),
                                "interpolation": preprocess.get("interpolation", "bicubic"), "resize_mode": "squash"}
+        self._reused: dict | None = None          # `reusing_features`: (kind, id(input), options) -> (input, result)
         self.transform = open_clip.image_transform(
             tuple(clip.visual.image_size), is_train=False, mean=tuple(preprocess["mean"]),
             std=tuple(preprocess["std"]), resize_mode="squash", interpolation=self.preprocess_cfg["interpolation"])
@@ -127,9 +129,13 @@ class ClipModel(nn.Module):
 
     # ---- global embeddings -------------------------------------------------------------------------
     def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        if self._reused is not None and normalize:
+            return self.image_features(image)["global_"]
         return self.clip.encode_image(image.to(self.input_dtype), normalize=normalize)
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        if self._reused is not None and normalize:
+            return self.text_features(text)["global_"]
         text, hidden = self._text_trunk(text, trim=True)
         pooled = self.text_tower.ln_final(hidden[torch.arange(len(text), device=text.device), self._eot_positions(text)])
         pooled = self._project_text(pooled)
@@ -147,6 +153,12 @@ class ClipModel(nn.Module):
 
         `dense=True` adds `dense` [B,D,gh,gw] (MaskCLIP) from the same trunk (blocks 0..L-2 shared).
         """
+        if self._reused is not None:
+            hit = self._reused.get(("image", id(image), True)) or self._reused.get(("image", id(image), dense))
+            return (hit or self._reuse(("image", id(image), dense), image, lambda: self._image_features(image, dense)))[1]
+        return self._image_features(image, dense)
+
+    def _image_features(self, image: torch.Tensor, dense: bool) -> dict[str, torch.Tensor]:
         visual = self.clip.visual
         last = self.num_vision_blocks - 1
         out = visual.forward_intermediates(image.to(self.input_dtype), indices=[last - 1, last] if dense else [last],
@@ -167,6 +179,14 @@ class ClipModel(nn.Module):
         `detach_token_projection`: `tokens` go through a detached copy of the text projection (same values, no
         gradient from them into the projection; `global_` keeps the live one) -- HarmoCLIP's eqs. (3)-(4).
         """
+        if self._reused is not None:           # a detached token projection is another graph: its own entry
+            key = ("text", id(text), trim, detach_token_projection)
+            hit = self._reused.get(key) or self._reuse(key, text, lambda: self._text_features(text, trim,
+                                                                                               detach_token_projection))
+            return hit[1]
+        return self._text_features(text, trim, detach_token_projection)
+
+    def _text_features(self, text: torch.Tensor, trim: bool, detach_token_projection: bool) -> dict[str, torch.Tensor]:
         text, hidden = self._text_trunk(text, trim=trim)
         normed = self.text_tower.ln_final(hidden)
         tokens = self._project_text(normed)
@@ -202,6 +222,23 @@ class ClipModel(nn.Module):
     def region_features(self, image: torch.Tensor, boxes: list[torch.Tensor]) -> torch.Tensor:
         return self.pool_regions(self.dense_features(image), boxes)
 
+    # ---- one forward per input for several callers ---------------------------------------------------
+    @contextlib.contextmanager
+    def reusing_features(self):
+        """Inside the block, `image_features` / `text_features` on an input tensor object already seen return the
+        first call's result (the `custom` mix: several methods' features modules over this one model and batch).
+        `encode_image(x)` / `encode_text(t)` (normalised) are then served as `*_features(x)["global_"]`, the same
+        computation bit for bit, and a `dense=False` image request reuses a `dense=True` result."""
+        self._reused = {}
+        try:
+            yield
+        finally:
+            self._reused = None
+
+    def _reuse(self, key: tuple, inputs: torch.Tensor, compute) -> tuple:
+        self._reused[key] = (inputs, compute())             # the input is kept: its id stays its own in the block
+        return self._reused[key]
+
     # ---- export support ---------------------------------------------------------------------------
     def export_config(self) -> dict:
         """The open_clip `model_cfg` that rebuilds this model (context length and activation included)."""
@@ -232,6 +269,7 @@ class ClipModel(nn.Module):
         clip = self.text_tower
         if text.shape[1] != clip.context_length:
             raise ValueError(f"text is tokenized to {text.shape[1]} positions, the model takes {clip.context_length}")
+        # sync: the trimmed length is the batch's longest text, a shape that depends on the data
         length = int(self._eot_positions(text).max()) + 1 if trim and self._can_trim() else text.shape[1]
         text = text[:, :length]
         cast_dtype = clip.transformer.get_cast_dtype()

@@ -12,8 +12,6 @@ Decisions the papers leave open:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,22 +51,23 @@ def roi_pool(feature_map: torch.Tensor, boxes: list[torch.Tensor] | torch.Tensor
 
 
 def box_patch_mask(boxes: torch.Tensor, image_size: tuple[int, int], patch_size: tuple[int, int]) -> torch.Tensor:
-    """[B, P] bool: the row-major patches (CLS excluded) that each xyxy pixel box touches."""
+    """[B, P] bool: the row-major patches (CLS excluded) that each xyxy pixel box touches (on the boxes' device)."""
     img_h, img_w = image_size
     patch_h, patch_w = patch_size
     grid_h, grid_w = img_h // patch_h, img_w // patch_w
-    device = boxes.device
-    boxes = boxes.detach().to(torch.float64).cpu()
-    masks = torch.zeros(len(boxes), grid_h * grid_w, dtype=torch.bool)
-    for i, (x0, y0, x1, y1) in enumerate(boxes.tolist()):
-        c0, c1 = _patch_range(x0, x1, patch_w, grid_w)
-        r0, r1 = _patch_range(y0, y1, patch_h, grid_h)
-        masks[i].view(grid_h, grid_w)[r0:r1, c0:c1] = True
-    return masks.to(device)
+    boxes = boxes.detach().to(torch.float64)
+    c0, c1 = _patch_range(boxes[:, 0], boxes[:, 2], patch_w, grid_w)
+    r0, r1 = _patch_range(boxes[:, 1], boxes[:, 3], patch_h, grid_h)
+    cols = torch.arange(grid_w, device=boxes.device)[None, None, :]
+    rows = torch.arange(grid_h, device=boxes.device)[None, :, None]
+    inside = ((rows >= r0[:, None, None]) & (rows < r1[:, None, None])
+              & (cols >= c0[:, None, None]) & (cols < c1[:, None, None]))
+    return inside.reshape(len(boxes), grid_h * grid_w)
 
 
-def _patch_range(lo: float, hi: float, patch: int, grid: int) -> tuple[int, int]:
-    lo, hi = sorted((lo, hi))
-    start = min(max(math.floor(lo / patch), 0), grid - 1)
-    end = min(max(math.ceil(hi / patch), start + 1), grid)
+def _patch_range(lo: torch.Tensor, hi: torch.Tensor, patch: int, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and one-past-last patch index that [lo, hi] (either order) touches, per box, on the device."""
+    lo, hi = torch.minimum(lo, hi), torch.maximum(lo, hi)
+    start = torch.floor(lo / patch).clamp(0, grid - 1)
+    end = torch.minimum(torch.maximum(torch.ceil(hi / patch), start + 1), torch.full_like(start, grid))
     return start, end

@@ -38,6 +38,7 @@ class TrainConfig:
     train_transform: str = "squash"  # squash (the model's eval resize) | random_resized_crop (open_clip's is_train)
     precision: str = "fp32"         # fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler: `resolve_precision`)
     compile: bool = False           # torch.compile the (DDP-wrapped) model: its forward and backward (loop.py)
+    log_every: int = 10             # optimiser steps per fetch of the logged values from the device (loop.py)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -54,6 +55,8 @@ class TrainConfig:
             raise ValueError(f"compile must be true or false, got {self.compile!r}")  # noqa: TRY004  (as its siblings)
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError("epochs and batch_size must be >= 1")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1 (optimiser steps), got {self.log_every}")
 
     @property
     def micro_batch_size(self) -> int:
@@ -82,7 +85,7 @@ def merge_train_settings(shared: dict, override: dict | None, extra_keys=frozens
     """Shared `train.*` defaults + a method's `train.<method>.*` group.
 
     A key of the override group replaces the shared one. Keys outside the shared set are allowed only if the
-    method lists them in `extra_keys` (e.g. MulCLIP's `new_module_lr`); anything else is an error, so a typo
+    method lists them in `extra_keys` (a method's `train_keys`); anything else is an error, so a typo
     never silently trains with the default. Returns (training settings, method extras).
     """
     override = override or {}

@@ -1,7 +1,8 @@
-"""ONE training loop for every method (nanoGPT-style: set-up, resume, loop, checkpoint, in reading order).
+"""ONE training loop for every method (nanoGPT-style: set-up, loop, checkpoint, in reading order).
 
-A method changes what the batch holds (its loader examples) and which loss runs (its named, weighted terms);
-it never changes this loop. What the loop decides:
+A method changes what the batch holds (its loader examples), which loss runs (its named, weighted terms) and how
+it answers the hooks of `methods/base.py` (extra parameter groups, the weight-decay rule, what to clamp after a
+step, what to do after it); the loop calls them without asking which method it trains. What the loop decides:
 
 - Data: a `BatchSource` yields the rank's micro-batches of an epoch, deterministically in (seed, epoch), starting
   at a given micro-batch position (resume). It must not consume the global RNGs (pass DataLoader a generator).
@@ -11,21 +12,27 @@ it never changes this loop. What the loop decides:
   loss of the WHOLE step's batch is back-propagated. The summed gradients equal one step on the full batch (in-batch
   negatives span all `batch_size` samples; exact for every term that is a function of the concatenated features;
   shared 0-dim features such as the logit scale, and parameters owned by the loss module, get their gradient in
-  one pass only: open_clip counts the logit scale's gradient k times). Cost: one extra forward per micro-batch. DDP gradient sync runs only on the last micro-batch (`no_sync`).
+  one pass only: open_clip counts the logit scale's gradient k times). Cost: one extra forward per micro-batch. DDP
+  gradient sync runs only on the last micro-batch (`no_sync`).
 - Precision: bf16 / fp16 autocast around the model forward; features are cast to fp32 and the loss runs in fp32
   (logits of a softmax over the batch are precision-sensitive). fp16 (open_clip's `amp`) adds a GradScaler: the
   loss is scaled before the backward, the gradients unscaled before the norm/clip, and a step whose gradients
-  overflow is skipped by the scaler (its scale lowered), not an error; bf16 and fp32 have none.
+  overflow is skipped (its scale lowered), not an error; bf16 and fp32 have none.
 - After the backward: global grad norm (clipped if `grad_clip > 0`); every term and the grad norm are averaged
-  over ranks in one all-reduce; a non-finite value stops training BEFORE the optimiser step with
-  `NonFiniteLossError` (naming the step and the term), so the last checkpoint stays the last good one.
-- Then AdamW step, schedule step, logit scale(s) clamped to [0, ln 100] (open_clip; not for a method with
-  `clamp_logit_scale = False`, GOAL), `method.after_step`.
+  over ranks in one all-reduce. Then AdamW step, schedule step, `method.clamp` (open_clip: the logit scale to
+  [0, ln 100]), `method.after_step`.
+- Nothing in a step waits for the device: the logged values stay there and are fetched every `log_every` steps
+  (and before every checkpoint and at the end), in one transfer; the monitor then gets each step's values.
+- Non-finite guard, on the device: a flag turns on at the first step whose term, total or (without a GradScaler)
+  grad norm is not finite, and stays on; while it is on the optimiser skips its update (fused AdamW's `found_inf`,
+  the GradScaler's own mechanism), so the weights keep the last finite step's values. The next fetch raises
+  `NonFiniteLossError` naming the first bad step and its term, before any checkpoint is written: the last checkpoint
+  stays the last good one.
 - `compile: true`: the DDP-wrapped model goes through `torch.compile` (forward and backward; the loss, the
   optimiser and this loop stay eager). Off by default: the sample DAG computes eagerly, as before.
-- Checkpoints every `checkpoint_every` optimiser steps and at the end (`checkpoints/<run>/last.pt`, atomic). On
-  start, a checkpoint with the same fingerprint is resumed (bit-exact on CPU); a different one is ignored (and
-  overwritten by the first new checkpoint); an unreadable one is a clear error naming the file.
+- Checkpoints every `checkpoint_every` optimiser steps and at the end (`checkpoints/<run>/last.pt`, atomic).
+  `resume()` (the caller's, before `fit`) loads a checkpoint with the same fingerprint (bit-exact on CPU); a
+  different one is ignored (and overwritten by the first new checkpoint); an unreadable one is a clear error.
 """
 from __future__ import annotations
 
@@ -45,11 +52,9 @@ from clipfinetune.distributed import DistInfo, all_gather_objects, all_reduce_me
 
 from . import checkpoint as ckpt_io
 from .config import TrainConfig, autocast, grad_scaler
-from .monitor import Monitor
 from .optim import build_optimizer, build_scheduler, parameter_groups
 
 log = logging.getLogger("clipfinetune.train")
-MAX_LOGIT_SCALE = math.log(100)
 # torch.compile's backend under `compile: true` (inductor: generated kernels; on the CPU it needs a C compiler). A
 # module constant, not a param: the tests set "aot_eager" (the same graph capture without code generation).
 COMPILE_BACKEND = "inductor"
@@ -60,19 +65,23 @@ class BatchSource(Protocol):
     def batches(self, epoch: int, start: int = 0) -> Iterator[dict]: ...  # from micro-batch `start` of `epoch`
 
 
+class Monitor(Protocol):                    # train/monitor.py's (dvclive + progress bar), or a benchmark's recorder
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+
 class NonFiniteLossError(RuntimeError):
     pass
 
 
 class Trainer:
     def __init__(self, method, model, source: BatchSource, cfg: TrainConfig, *,
-                 checkpoint_dir: str | os.PathLike | None = None, live_dir: str | os.PathLike | None = None,
-                 fingerprint: str = "", dist: DistInfo | None = None, desc: str = "train"):
+                 checkpoint_dir: str | os.PathLike | None = None, fingerprint: str = "", dist: DistInfo | None = None,
+                 desc: str = "train"):
         self.method, self.source, self.cfg, self.desc = method, source, cfg, desc
         self.dist = dist or current()
         self.device = self.dist.device
         self.checkpoint_path = Path(checkpoint_dir) / ckpt_io.LAST if checkpoint_dir else None
-        self.live_dir, self.fingerprint = live_dir, fingerprint
+        self.fingerprint = fingerprint
 
         self.module = method.build(model).to(self.device)
         self.loss_fn = method.loss().to(self.device)
@@ -82,57 +91,63 @@ class Trainer:
                              f"than accum_steps={cfg.accum_steps}: nothing to train on")
         self.total_steps = cfg.epochs * self.steps_per_epoch
         groups = parameter_groups(self.module, cfg.lr, cfg.wd, method.param_groups(self.module),
-                                  exclusions=method.weight_decay_exclusions)
+                                  no_decay=method.no_weight_decay)
         self.params = [p for g in groups for p in g["params"]]
-        # parameters the loss uses directly (e.g. MulCLIP's heads): their gradient is taken in ONE accumulation pass
-        in_loss = {id(p) for p in self.loss_fn.parameters()}
-        self._feature_params = [p for p in self.params if id(p) not in in_loss] if in_loss else None
+        # parameters the loss owns: they live in the built module too (DDP, checkpoints) and take their gradient in
+        # ONE accumulation pass (the others in every pass: their features are recomputed per micro-batch)
+        owned = {id(p) for p in self.loss_fn.parameters()}
+        if owned - {id(p) for p in self.module.parameters()}:
+            raise ValueError(f"{desc}: the loss owns parameters that are not in the built module; {type(method).__name__}"
+                             f".build must register the loss module in it (methods/base.py)")
+        self.feature_params = [p for p in self.params if id(p) not in owned]
         self.optimizer = build_optimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup, self.total_steps)
         self.scaler = grad_scaler(cfg.precision, self.device)
+        self.non_finite = torch.zeros((), dtype=torch.bool, device=self.device)   # on at the first bad step, stays on
         self.step, self._rng, self._saved_step = 0, None, None
-        self.resumed = self._resume()                       # before DDP: every rank loads the same state
-        self.ddp = wrap_ddp(self.module, self.dist, method.find_unused_parameters)
+        self.ddp = wrap_ddp(self.module, self.dist)
         if cfg.compile:        # after DDP, as PyTorch advises: its optimizer splits the graph at bucket boundaries
             self.ddp = torch.compile(self.ddp, backend=COMPILE_BACKEND)
 
     # ------------------------------------------------------------------------------------------ the loop
-    def fit(self) -> nn.Module:
+    def fit(self, monitor: Monitor | None = None) -> nn.Module:
+        """Train to `total_steps` (from the step `resume()` restored); `monitor.log(step, scalars)` gets every step's
+        values, in blocks of `log_every`. Returns the built module."""
         cfg, accum = self.cfg, self.cfg.accum_steps
         if self.step >= self.total_steps:
             log.info("%s: checkpoint %s is already complete (%d steps)", self.desc, self.checkpoint_path, self.step)
             return self.module
-        monitor = Monitor(self.live_dir, self.total_steps, self.step, self.resumed, self.dist.is_main, self.desc)
         if self._rng is not None:
             ckpt_io.set_rng_state(self._rng)
         else:
             ckpt_io.seed_everything(cfg.seed + self.dist.rank)
         self.module.train()
-        try:
-            while self.step < self.total_steps:
-                epoch, done = divmod(self.step, self.steps_per_epoch)
-                batches = iter(self.source.batches(epoch, start=done * accum))
-                tick = time.perf_counter()
-                for _ in range(done, self.steps_per_epoch):
-                    micro = [self._to_device(self._next(batches, epoch)) for _ in range(accum)]
-                    data_s = time.perf_counter() - tick
-                    scalars = self.train_step(micro)
-                    step_s = time.perf_counter() - tick
-                    tick = time.perf_counter()
-                    n_samples = cfg.micro_batch_size * accum * self.dist.world_size
-                    scalars.update(samples_per_s=n_samples / step_s, data_s=data_s, epoch=epoch)
-                    monitor.log(self.step, scalars)
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+        pending, block_start = [], time.perf_counter()
+        while self.step < self.total_steps:
+            epoch, done = divmod(self.step, self.steps_per_epoch)
+            batches = iter(self.source.batches(epoch, start=done * accum))
+            tick = time.perf_counter()
+            for _ in range(done, self.steps_per_epoch):
+                micro = [self._to_device(self._next(batches, epoch)) for _ in range(accum)]
+                data_s = time.perf_counter() - tick
+                lrs = self.learning_rates()                    # this step's, before the schedule moves on
+                pending.append((self.step + 1, self.train_step(micro), {"lrs": lrs, "data_s": data_s, "epoch": epoch}))
+                checkpoint = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                if checkpoint or self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    self.log_values(pending, time.perf_counter() - block_start, monitor)  # raises on a bad step
+                    pending = []
+                    if checkpoint:
                         self.save()
-                del batches
-            if self._saved_step != self.step:
-                self.save()
-        finally:
-            monitor.close()
+                    block_start = time.perf_counter()
+                tick = time.perf_counter()
+            del batches
+        if self._saved_step != self.step:
+            self.save()
         return self.module
 
-    def train_step(self, micro_batches: list[dict]) -> dict[str, float]:
-        """One optimiser step over `accum_steps` micro-batches; returns the logged scalars."""
+    def train_step(self, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+        """One optimiser step over `accum_steps` micro-batches. Returns its logged values as 0-dim tensors on the
+        device, read nowhere here: `loss_<term>` (each weighted term, averaged over ranks) and `grad_norm`."""
         terms = self.compute_gradients(micro_batches)
         self.scaler.unscale_(self.optimizer)                 # fp16: the true gradients for the norm and the clip
         if self.cfg.grad_clip > 0:
@@ -141,28 +156,16 @@ class Trainer:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         names = list(terms)
         values = all_reduce_mean(torch.stack([terms[n].float() for n in names] + [grad_norm.float().to(self.device)]))
-        values = values.tolist()
-        total = sum(values[:-1])
-        checked = [("total", total)] + ([] if self.scaler.is_enabled() else [("grad norm", values[-1])])
-        for name, value in [(f"term '{n}'", v) for n, v in zip(names, values)] + checked:
-            if not math.isfinite(value):
-                raise NonFiniteLossError(
-                    f"{self.desc}: non-finite {name} = {value} at optimiser step {self.step + 1} "
-                    f"(epoch {self.step // self.steps_per_epoch}); stopped before updating the weights. "
-                    f"Last good checkpoint: {self._checkpoint_note()}")
-        lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
-        self.scaler.step(self.optimizer)                     # fp16: skipped when the gradients overflowed
-        self.scaler.update()
+        checked = values[:-1] if self.scaler.is_enabled() else values   # fp16: an overflow is the scaler's to skip
+        self.non_finite |= ~torch.isfinite(checked).all()
+        self.optimizer_step(skip=self.non_finite | ~torch.isfinite(values[-1]))
+        self.scaler.update()                                 # fp16: a lower scale after an overflow
         self.scheduler.step()
-        if self.method.clamp_logit_scale:
-            self._clamp_logit_scales()
+        with torch.no_grad():
+            self.method.clamp(self.module)
         self.method.after_step(self.module)
         self.step += 1
-        scalars = {"loss": total, **{f"loss_{n}": v for n, v in zip(names, values)}, "grad_norm": values[-1],
-                   "lr": lrs.get("default", lrs.get("default_no_decay", next(iter(lrs.values()))))}
-        scalars.update({f"lr_{g}": lr for g, lr in lrs.items()
-                        if not g.startswith("default") and not g.endswith("_no_decay")})
-        return scalars
+        return {**{f"loss_{n}": v for n, v in zip(names, values)}, "grad_norm": values[-1]}
 
     def compute_gradients(self, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
         """Zero the grads and back-propagate the loss of the whole step's batch (feature cache if k > 1).
@@ -180,9 +183,47 @@ class Trainer:
             with contextlib.nullcontext() if last or not hasattr(self.ddp, "no_sync") else self.ddp.no_sync():
                 features = merge_features(cached[:j] + [self._forward(batch)] + cached[j + 1:], j, last)
                 terms = self.loss_fn(features)
-                inputs = None if last or self._feature_params is None else self._feature_params
+                inputs = None if last or len(self.feature_params) == len(self.params) else self.feature_params
                 torch.autograd.backward(self.scaler.scale(sum(terms.values())), inputs=inputs)
         return {n: t.detach() for n, t in terms.items()}
+
+    def optimizer_step(self, skip: torch.Tensor) -> None:
+        """AdamW's update, skipped on the device where `skip` (a 0-dim bool) is set: the fused kernel reads it as its
+        `found_inf` (the GradScaler's protocol; the step counters stay too)."""
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = skip.float()
+            self.optimizer.step()
+        elif not bool(skip):          # sync: only an unfused optimiser (parameters on several devices) reads it here
+            self.optimizer.step()
+
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate of each optimiser group by its logged name (`lr`, `lr_<group>`): host values."""
+        return {g["log_as"]: g["lr"] for g in self.optimizer.param_groups}
+
+    def log_values(self, pending: list[tuple[int, dict, dict]], seconds: float, monitor: Monitor | None) -> None:
+        """Fetch the block's values (one transfer), raise at its first non-finite step, then hand every step's
+        scalars to the monitor: `loss` (the terms' sum), `loss_<term>`, `grad_norm`, `lr*`, `samples_per_s` (the
+        block's global samples over its wall time: a step's own time means nothing while the device runs ahead),
+        `data_s` (this step's wait for data), `epoch`."""
+        fetched = torch.stack([torch.stack(list(values.values())) for _, values, _ in pending])
+        rows = fetched.tolist()                # sync: once per `log_every` steps, checkpoint or end of training
+        rate = len(pending) * self.cfg.micro_batch_size * self.cfg.accum_steps * self.dist.world_size / seconds
+        for (step, values, host), row in zip(pending, rows):
+            scalars = dict(zip(values, row))
+            terms = {n: v for n, v in scalars.items() if n.startswith("loss_")}
+            total = sum(terms.values())
+            checked = [(f"term '{n[len('loss_'):]}'", v) for n, v in terms.items()] + [("total", total)]
+            if not self.scaler.is_enabled():
+                checked.append(("grad norm", scalars["grad_norm"]))
+            for name, value in checked:
+                if not math.isfinite(value):
+                    raise NonFiniteLossError(
+                        f"{self.desc}: non-finite {name} = {value} at optimiser step {step} (epoch {host['epoch']}); "
+                        f"the weights were not updated from that step on (checked every {self.cfg.log_every} "
+                        f"steps). Last good checkpoint: {self._checkpoint_note()}")
+            if monitor is not None:
+                monitor.log(step, {"loss": total, **scalars, **host["lrs"], "samples_per_s": rate,
+                                   "data_s": host["data_s"], "epoch": host["epoch"]})
 
     # ------------------------------------------------------------------------------------------ pieces
     def _forward(self, batch: dict) -> dict:
@@ -205,12 +246,6 @@ class Trainer:
         except StopIteration:
             raise RuntimeError(f"{self.desc}: the data source ended early in epoch {epoch}: it promised "
                                f"{len(self.source)} micro-batches per epoch") from None
-
-    def _clamp_logit_scales(self) -> None:
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                if p.requires_grad and name.endswith("logit_scale"):
-                    p.clamp_(0, MAX_LOGIT_SCALE)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
@@ -236,7 +271,11 @@ class Trainer:
             return f"none of this run yet ({self.checkpoint_path})"
         return f"{self.checkpoint_path} (step {self._saved_step}), intact"
 
-    def _resume(self) -> bool:
+    def resume(self) -> bool:
+        """Load `checkpoint_dir/last.pt` if it belongs to this run (fingerprint, steps per epoch, world size); every
+        rank loads the same file. Call before `fit`; returns whether a checkpoint was resumed."""
+        if self.step:
+            raise RuntimeError(f"{self.desc}: resume() after {self.step} steps: call it before fit()")
         path = self.checkpoint_path
         if path is None or not path.exists():
             return False

@@ -1,9 +1,13 @@
 """Rank-0 logging: dvclive scalars per optimiser step and a tqdm progress bar.
 
+The caller builds the monitor and hands it to `Trainer.fit` (`with Monitor(...) as monitor: trainer.fit(monitor)`).
 Logged at dvclive step = optimiser steps done: `loss` (the total), `loss_<term>` (every weighted term, averaged
 over ranks), `lr` and `lr_<group>` (method groups), `grad_norm` (before clipping), `samples_per_s` (global
-samples of the step / its wall time including the data wait, as open_clip) and `epoch`.
+samples over wall time, data wait included, as open_clip; measured over each block of `log_every` steps, since
+the loop does not wait for the device inside a block) and `epoch`. Every step gets its own row: the trainer
+fetches the values in blocks of `log_every` steps and logs each step of the block at its own step number.
 
+Nothing is opened before the first logged step, so a run whose checkpoint is already complete writes nothing.
 `Live(dvcyaml=False, save_dvc_exp=False)`: dvc.yaml declares the plots itself, so dvclive never rewrites the
 tracked pipeline file mid-repro. When resuming, rows logged after the checkpoint by the interrupted run are
 dropped first, so the curves stay one continuous, duplicate-free history. dvclive writes its files in place, so a
@@ -17,41 +21,55 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import Self
 
 
 class Monitor:
     def __init__(self, live_dir: str | os.PathLike | None, total_steps: int, start_step: int, resume: bool,
                  enabled: bool = True, desc: str = "train"):
+        self.live_dir, self.total_steps, self.start_step, self.resume = live_dir, total_steps, start_step, resume
+        self.enabled, self.desc = enabled, desc
         self.live = None
         self.bar = None
-        if not enabled:
-            return
-        if live_dir is not None:
+
+    def _open(self) -> None:
+        if self.live_dir is not None:
             from dvclive import Live
 
-            if resume:
-                repair_history(live_dir, start_step)
-            self.live = Live(str(live_dir), dvcyaml=False, save_dvc_exp=False, resume=resume, report=None)
+            if self.resume:
+                repair_history(self.live_dir, self.start_step)
+            self.live = Live(str(self.live_dir), dvcyaml=False, save_dvc_exp=False, resume=self.resume, report=None)
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True, mininterval=1.0)
+        self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc=self.desc, dynamic_ncols=True,
+                        mininterval=1.0)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self._open()
         if self.live is not None:
             self.live.step = step
             for name, value in scalars.items():
                 self.live.log_metric(name, value)
             self.live.next_step()
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{scalars['loss']:.4f}", lr=f"{scalars['lr']:.2e}",
-                                 sps=f"{scalars['samples_per_s']:.0f}", refresh=False)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{scalars['loss']:.4f}", lr=f"{scalars['lr']:.2e}",
+                             sps=f"{scalars['samples_per_s']:.0f}", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.live is not None:
             self.live.end()
+        self.bar = self.live = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def repair_history(live_dir: str | os.PathLike, last_step: int) -> None:

@@ -1,35 +1,39 @@
 """AdamW with open_clip's parameter groups, and the cosine schedule with linear warm-up.
 
 open_clip (`open_clip_train/main.py`, METHODS.md 0.3): parameters with `ndim < 2` or whose name contains
-`bn`, `ln`, `bias` or `logit_scale` get no weight decay; every other trainable parameter gets `wd`. A method may
-claim parameters for its own learning rate (`Method.param_groups`, e.g. MulCLIP's new modules); those are split
-by the same decay rule. Frozen parameters (`requires_grad=False`, e.g. teachers) are not optimised.
+`bn`, `ln`, `bias` or `logit_scale` get no weight decay (`conventions.no_weight_decay`); every other trainable
+parameter gets `wd`. The rule is a function, so a caller may pass another (`Method.no_weight_decay`). Extra
+groups claim parameters for their own learning rate (`Method.param_groups`); those are split by the same decay
+rule. Frozen parameters (`requires_grad=False`, e.g. teachers) are not optimised. Every group carries `log_as`, the name its
+learning rate is logged under: `lr` for the default group, `lr_<name>` for an extra one (both halves of a split).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from clipfinetune.conventions import no_weight_decay
 
-def no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """open_clip's exclusion rule: norms, biases, gains, embeddings of ndim < 2, and the logit scale."""
-    return param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+DEFAULT = "default"         # the group of every parameter no extra group claims (at `train.lr`)
 
 
 def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list[dict] = (),
-                     exclusions: bool = True) -> list[dict]:
-    """Optimiser groups: [default decay, default no-decay, then each extra group split the same way].
-    `exclusions=False`: every parameter decays (GOAL's `AdamW(model.parameters(), ...)`), no no-decay groups.
+                     no_decay: Callable[[str, torch.Tensor], bool] = no_weight_decay) -> list[dict]:
+    """Optimiser groups: [default decay, default no-decay, then each extra group split the same way by
+    `no_decay(name, param)`].
 
     `extra_groups`: dicts with `params` (tensors of `module`), `lr`, optional `name` and `weight_decay`.
-    Each returned group has a `name` (kept in the optimiser state, logged as `lr_<name>`).
+    Each returned group has a `name` (kept in the optimiser state) and `log_as` (`lr` or `lr_<name>`).
     """
     names = {id(p): n for n, p in module.named_parameters()}
     claimed: set[int] = set()
     requested = []
     for i, g in enumerate(extra_groups):
+        if g.get("name") == DEFAULT:
+            raise ValueError(f"param group name {DEFAULT!r} is the trainer's own group (train.lr)")
         params = [p for p in g["params"] if p.requires_grad]
         for p in params:
             if id(p) not in names:
@@ -41,13 +45,15 @@ def parameter_groups(module: nn.Module, lr: float, wd: float, extra_groups: list
     default = [p for n, p in module.named_parameters() if p.requires_grad and id(p) not in claimed]
 
     groups = []
-    for name, params, group_lr, group_wd in [("default", default, lr, wd)] + requested:
-        keep = [p for p in params if exclusions and no_weight_decay(names[id(p)], p)]
-        decay = [p for p in params if not (exclusions and no_weight_decay(names[id(p)], p))]
+    for name, params, group_lr, group_wd in [(DEFAULT, default, lr, wd)] + requested:
+        log_as = "lr" if name == DEFAULT else f"lr_{name}"
+        keep = [p for p in params if no_decay(names[id(p)], p)]
+        decay = [p for p in params if not no_decay(names[id(p)], p)]
         if decay:
-            groups.append({"name": name, "params": decay, "lr": group_lr, "weight_decay": group_wd})
+            groups.append({"name": name, "params": decay, "lr": group_lr, "weight_decay": group_wd, "log_as": log_as})
         if keep:
-            groups.append({"name": f"{name}_no_decay", "params": keep, "lr": group_lr, "weight_decay": 0.0})
+            groups.append({"name": f"{name}_no_decay", "params": keep, "lr": group_lr, "weight_decay": 0.0,
+                           "log_as": log_as})
     if not groups:
         raise ValueError("the module has no trainable parameters")
     return groups

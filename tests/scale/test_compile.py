@@ -29,9 +29,9 @@ def fit_losses(compile_model: bool) -> tuple[Trainer, list[float]]:
     losses, step = [], trainer.train_step
 
     def recorded(micro):
-        scalars = step(micro)
-        losses.append(scalars["loss"])
-        return scalars
+        values = step(micro)
+        losses.append(sum(float(v) for k, v in values.items() if k.startswith("loss_")))
+        return values
 
     trainer.train_step = recorded
     trainer.fit()

@@ -234,14 +234,15 @@ def test_method_epochs_take_their_units_steps_and_resume_mid_epoch(real, name, t
         if interrupt_at is not None:
             source = _Interrupted(source, interrupt_at)
         trainer = Trainer(get_method(name)(), model, source, cfg, checkpoint_dir=tmp_path / run, fingerprint=name)
-        return trainer, trainer.fit()
+        resumed = trainer.resume()
+        return trainer, resumed, trainer.fit()
 
-    trainer, straight = train("straight")
+    trainer, _, straight = train("straight")
     assert trainer.steps_per_epoch == trainer.step == math.ceil(units / 2)
     with pytest.raises(KeyboardInterrupt):
         train("resumed", interrupt_at=trainer.steps_per_epoch // 2 + 1)     # mid-epoch, after a checkpoint
     assert 0 < load_checkpoint(tmp_path / "resumed" / "last.pt")["step"] < trainer.steps_per_epoch
-    resumed_trainer, resumed = train("resumed")
-    assert resumed_trainer.resumed
+    _, was_resumed, resumed = train("resumed")
+    assert was_resumed
     for (key, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), key
