@@ -96,6 +96,9 @@ class ProbeSource:
     def __len__(self) -> int:
         return len(self.captions) // self.batch_size
 
+    def epoch_length(self, epoch: int) -> int:           # train.loop.BatchSource
+        return len(self)
+
     def batches(self, epoch: int, start: int = 0):
         rng = random.Random(self.seed * 1_000_003 + epoch)
         order = list(range(len(self.captions)))

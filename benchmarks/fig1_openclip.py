@@ -70,8 +70,9 @@ def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_step
     ctx = ExampleContext(model.transform, model.tokenize, model.image_size, token_span=model.token_span)
     loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
     trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=torch.device(device)))
-    if max_steps:                                   # the loop runs steps_per_epoch steps of its one epoch
-        trainer.steps_per_epoch = trainer.total_steps = min(trainer.total_steps, max_steps)
+    if max_steps:                                   # the loop runs epoch_steps[0] steps of its one epoch
+        trainer.total_steps = min(trainer.total_steps, max_steps)
+        trainer.epoch_steps = [trainer.total_steps]
     t0 = time.perf_counter()
     trainer.fit(Recorder())
     print(json.dumps({"samples_per_s": steps, "wall_s": time.perf_counter() - t0, "steps": len(steps)}))
@@ -194,13 +195,12 @@ def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6, samp
 
 # ------------------------------------------------------------------------------------------ the figure
 def figure(model_dir, *, batch_size: int = 64, workers: int = 2, pairs: int = 3, log=print) -> list[Row]:
-    from clipfinetune.data.loader import count_wanted
+    from clipfinetune.data.loader import epoch_coverage
     from clipfinetune.methods import build_method
 
-    _, wanted, _ = count_wanted(train_shards(), build_method("clip"))
-    batches = -(-sum(wanted) // batch_size)
-    batches = -(-batches // workers) * workers
-    n_samples = batches * batch_size                  # open_clip: the same number of steps as our epoch
+    ours = epoch_coverage(SHARDS, "train", build_method("clip"), global_batch=batch_size, world_size=1,
+                          num_workers=workers)
+    n_samples = ours["steps_per_epoch"] * batch_size   # open_clip: the same number of steps as our epoch
     ours_runs, oc_runs = [], []
     for i in range(pairs):
         a = run_ours(model_dir, batch_size, workers)

@@ -65,14 +65,17 @@ def real_samples(n: int, size=(640, 480)) -> list[tuple[str, bytes, dict]]:
 
 
 def write_shards(samples, folder, n_shards: int = 2):
-    """The shard layout of DEVELOPERS.md (jpg, txt = first caption, json); one shard per loader worker."""
+    """The shard layout of DEVELOPERS.md (jpg, txt = first caption, json) and its index; one shard per loader worker."""
     import webdataset as wds
+
+    from clipfinetune.data.prepare.shards import write_index
 
     folder.mkdir(parents=True, exist_ok=True)
     for shard in range(n_shards):
         with wds.TarWriter(str(folder / f"train-{shard:06d}.tar")) as sink:
             for key, jpg, record in samples[shard::n_shards]:
                 sink.write({"__key__": key, "jpg": jpg, "txt": record["captions"][0], "json": json.dumps(record)})
+    write_index(folder)
     return folder
 
 

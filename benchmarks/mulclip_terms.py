@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                          tokenize_long=lambda texts: model.tokenize(texts, context_length=248))
     loader = ShardLoader(root / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                          seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
-                         epoch_samples=cfg.epoch_samples)     # the run's workers: they set the batches per epoch
+                         epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps)   # the run's batches
     trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=device), desc=f"terms@{args.run}")
     backbone = [p for p in model.parameters() if p.requires_grad]
     new = [p for p in trainer.loss_fn.parameters() if p.requires_grad]

@@ -4,8 +4,9 @@ Generates, deterministically and fast, a corpus with COCO train2017's cardinalit
 captions, 860,001 instances; 32 x 32 JPEGs, captions naming the instances' categories) and DOCCI train's 9,647
 long descriptions (32 x 32 JPEGs, 6-9 sentences each), times `F` of it (`--fraction`, default 1), then runs the
 CPU stages' library code on it, each in its own forked process so its peak RSS is its own:
-word_regions, sentences, shards (per source, with index.json), leakage (content digests of every training image
-against a 5,000-image evaluation set), one loader epoch at `train.epoch_unit: method` (plain CLIP: every
+word_regions, sentences, shards (per source, with index.json), `epoch_coverage` (what `clipfinetune plan`
+computes from the index: batch 256, 8 ranks x 8 workers, every (image, caption) pair), leakage (content digests of
+every training image against a 5,000-image evaluation set), one loader epoch at `train.epoch_unit: method` (plain CLIP: every
 (image, caption) pair once, batch 256, 2 workers, a trivial transform: the data path, not the model), and the
 negatives client against 34A's local stub (`benchmarks.fig6_negatives.run_client_against_stub`, one request per
 caption, 256 in flight). Prints each stage's wall time and peak RSS; targets on 2 cores: <= 15 min and < 8 GB.
@@ -161,6 +162,17 @@ def loader_epoch(root: Path) -> dict:
     return {"units": loader.num_units, "examples": n, "shards_opened": len(loader.paths)}
 
 
+def coverage_plan(root: Path) -> dict:
+    """`clipfinetune plan`'s epoch coverage (data/loader.py `epoch_coverage`) at params.real.yaml's batch 256 on
+    8 GPUs x 8 loader workers, every (image, caption) pair a unit: from the shard index, no image decoded."""
+    from clipfinetune.data.loader import epoch_coverage
+    from clipfinetune.methods.clip import ClipMethod
+
+    cov = epoch_coverage(root / "shards", "train", ClipMethod(), global_batch=256, world_size=8, num_workers=8,
+                         epoch_unit="method")
+    return {k: cov[k] for k in ("units", "steps_per_epoch", "seen", "repeated")}
+
+
 def negatives_client(root: Path) -> dict:
     from .fig6_negatives import run_client_against_stub
 
@@ -170,7 +182,8 @@ def negatives_client(root: Path) -> dict:
 
 
 STAGES = [("word_regions", word_regions), ("sentences", sentences), ("shards", shards),
-          ("leakage", leakage_check), ("loader epoch (method)", loader_epoch), ("negatives client", negatives_client)]
+          ("epoch coverage (plan, 8 x 8 readers)", coverage_plan), ("leakage", leakage_check),
+          ("loader epoch (method)", loader_epoch), ("negatives client", negatives_client)]
 
 
 def _child(fn, root: Path, conn) -> None:

@@ -2,8 +2,9 @@
 data/shards/{train,val}-<source>-%06d.tar (each source its own shards).
 
 Also writes data/shards/sizes.json (open_clip's {shard: count}), data/shards/index.json (per split and source: its
-shards and field signatures, from which the loader picks a method's sources) and data/shards/meta.json (counts, skips,
-the split rule). The whole directory is replaced atomically. Refuses to write anything when a training image is in
+shards, field signatures, from which the loader picks a method's sources, and every record's shard and member byte
+offsets, from which the loader reads any record by offset) and data/shards/meta.json (counts, skips, the split rule).
+The whole directory, index included, is replaced atomically. Refuses to write anything when a training image is in
 a configured evaluation set (`clipfinetune.leakage`; content digests cached in data/cache/leakage).
 """
 from __future__ import annotations

@@ -93,7 +93,8 @@ def main() -> None:
                              random_geometry=cfg.train_transform == "random_resized_crop")
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
-                             epoch_samples=cfg.epoch_samples)
+                             epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps,
+                             rank=dist.rank, world_size=dist.world_size)
         fp = fingerprint(params.stage, {"run": args.run, "method": args.method, "train": settings,
                                         "precision": precision, "config": config},
                          stage_inputs(params.stage), dist.world_size)
@@ -108,8 +109,10 @@ def main() -> None:
         if dist.is_main:
             export_model(method.final_model(module, model), ROOT / "models" / args.run)
             write_json(live_work / "data.json", {"samples": loader.num_samples, "wanted": loader.num_wanted,
+                                                 "dropped_by_method": loader.dropped_by_method,
                                                  "epoch_unit": loader.epoch_unit, "units": loader.num_units,
-                                                 "batches_per_epoch": len(loader), **dict(loader.stats),
+                                                 "batches_per_epoch": loader.epoch_length(0),
+                                                 "steps": trainer.total_steps, **dict(loader.stats),
                                                  "device": str(dist.device), "ranks": dist.world_size,
                                                  "global_batch": global_batch, "rank_batch": rank_batch})
             copy_dir(live_work, ROOT / "dvclive" / "train" / args.run)

@@ -1,5 +1,5 @@
-"""The training loader: determinism by (seed, epoch), exact resume with workers, method filter, DDP-equal
-epochs, corrupt images, and the ExampleContext helpers."""
+"""The training loader: determinism by (seed, epoch), every unit once per epoch, exact resume with workers, method
+filter, DDP-equal epochs, corrupt images, and the ExampleContext helpers."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from PIL import Image
 from test_data_helpers import StubMethod, World, jpeg, key_id
 
 from clipfinetune.data.loader import ExampleContext, ShardLoader
-from clipfinetune.data.prepare.shards import build_shards
+from clipfinetune.data.prepare.shards import build_shards, write_index
 
 
 def transform(im):
@@ -57,10 +57,15 @@ def same(a, b):
 def test_epoch_length_and_determinism_by_seed_and_epoch(shards):
     loader = ShardLoader(shards, "train", StubMethod(), CTX, batch_size=4, seed=3)
     n = len(records(shards, "train"))
-    assert loader.num_wanted == n and len(loader) == -(-n // 4)
+    assert n % 4 and loader.num_wanted == n and loader.epoch_length(0) == -(-n // 4)     # the first batch past n
     e0 = run(loader, 0)
-    assert len(e0) == len(loader) and all(len(s) == 4 for s, _, _ in e0)
-    assert {k for s, _, _ in e0 for k in s} == set(records(shards, "train"))      # every sample, once at least
+    assert len(e0) == loader.epoch_length(0) and all(len(s) == 4 for s, _, _ in e0)
+    stream = [k for s, _, _ in e0 for k in s]
+    assert sorted(stream[:n]) == sorted(records(shards, "train"))        # the pass: every sample exactly once ...
+    assert len(stream) - n == 4 - n % 4                                  # ... then the next pass fills the batch
+    e1 = run(loader, 1)                                                  # which epoch 1 does not read again
+    assert len(e1) == -(-2 * n // 4) - -(-n // 4)
+    assert sorted(stream[n:] + [k for s, _, _ in e1 for k in s][:n - (len(stream) - n)]) == sorted(stream[:n])
     assert same(e0, run(ShardLoader(shards, "train", StubMethod(), CTX, batch_size=4, seed=3), 0))
     assert not same(e0, run(loader, 1))
     assert not same(e0, run(ShardLoader(shards, "train", StubMethod(), CTX, batch_size=4, seed=4), 0))
@@ -73,43 +78,60 @@ class TorchDrawStub(StubMethod):
         return {**super().make_example(record, image, rng, ctx), "pixels": torch.rand(3)}
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_exact_resume_with_workers(shards):
     loader = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2)
-    assert len(loader) % 2 == 0
     full = run(loader, 2)
-    assert len(full) == len(loader)
+    assert len(full) == loader.epoch_length(2)
     assert same(full, run(loader, 2))                                   # persistent workers, same epoch again
     assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2), 2))
-    for k in (3, 4, len(loader)):
+    assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=3), 2))
+    state = torch.get_rng_state()
+    assert same(full, run(ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0), 2))  # no worker
+    assert torch.equal(state, torch.get_rng_state())                   # ... and the process's RNG untouched
+    for k in (3, 4, loader.epoch_length(2)):
         fresh = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=0, num_workers=2)
         assert same(run(fresh, 2, start=k), full[k:])                  # a restarted process resumes exactly
 
 
-def test_a_worker_seeds_torch_from_each_examples_rng(shards):
-    """The documented rule (module docstring): the worker's n-th sample gets rng = Random("seed:epoch:rank:worker:n")
-    and its first draw, getrandbits(63), seeds torch's CPU generator before make_example; so an augmentation's
-    torch draws are a function of the sample's position (what resume and the sample DAG's bytes rely on)."""
-    seed, epoch = 5, 1
-    expected = {}                                   # the example's rng.random() (its 2nd draw) -> its torch draw
-    for worker in (0, 1):
-        for n in range(1, 400):
-            rng = random.Random(f"{seed}:{epoch}:0:{worker}:{n}")
-            gen = torch.Generator().manual_seed(rng.getrandbits(63))
-            expected[rng.random()] = torch.rand(3, generator=gen)
+def test_each_example_seeds_torch_from_its_rng(shards):
+    """The documented rule (module docstring): the example at stream position p gets rng = Random("seed:p") and its
+    first draw, getrandbits(63), seeds torch's CPU generator before make_example; so an augmentation's torch draws
+    are a function of the position (what resume and the sample DAG's bytes rely on). Epoch e of one rank with
+    global batch 3 reads positions ceil(e n / 3) * 3 to ceil((e + 1) n / 3) * 3."""
+    seed, epoch, n = 5, 1, len(records(shards, "train"))
+    positions = range(-(-epoch * n // 3) * 3, -(-(epoch + 1) * n // 3) * 3)
+    expected = []                                   # per position: (rng.random() (its 2nd draw), its torch draw)
+    for p in positions:
+        rng = random.Random(f"{seed}:{p}")
+        gen = torch.Generator().manual_seed(rng.getrandbits(63))
+        expected.append((rng.random(), torch.rand(3, generator=gen)))
     loader = ShardLoader(shards, "train", TorchDrawStub(), CTX, batch_size=3, seed=seed, num_workers=2)
     examples = [(d, p) for _, draws, pixels in run(loader, epoch) for d, p in zip(draws, pixels)]
-    assert len(examples) == 3 * len(loader)
-    assert all(torch.equal(p, expected[d]) for d, p in examples)
+    assert len(examples) == len(positions) == 3 * loader.epoch_length(epoch)
+    assert all(d == want_d and torch.equal(p, want_p) for (d, p), (want_d, want_p) in zip(examples, expected))
 
 
 def test_method_filter_is_counted_and_sizes_the_epoch(shards):
     docci = {k for k, r in records(shards, "train").items() if r["source"] == "docci"}
     loader = ShardLoader(shards, "train", StubMethod("goal_like", source="docci"), CTX, batch_size=2)
-    assert loader.num_wanted == len(docci) and len(loader) == -(-len(docci) // 2)
+    assert loader.num_wanted == len(docci) and loader.epoch_length(0) == -(-len(docci) // 2)
     seen = {k for s, _, _ in run(loader, 0) for k in s}
     assert seen == docci
-    assert loader.stats["dropped_by_method"] >= loader.num_samples - len(docci)
-    assert loader.stats["batches"] == len(loader)
+    assert loader.dropped_by_method == loader.num_samples - len(docci) == 0      # only the docci shards are opened
+    assert loader.stats["batches"] == loader.epoch_length(0)
+    with_pair = {k for k in docci if records(shards, "train")[k]["local_pair"]}
+    some = ShardLoader(shards, "train", LocalPairStub(), CTX, batch_size=2)     # some records of the docci shards
+    assert 0 < some.num_wanted == len(with_pair) < some.num_samples == len(docci)
+    assert some.dropped_by_method == len(docci) - len(with_pair)
+    assert {k for s, _, _ in run(some, 0) for k in s} == with_pair
+
+
+class LocalPairStub(StubMethod):
+    """Wants the records that carry a local pair (by a field, as every method does)."""
+
+    def wants(self, record):
+        return bool(record.get("local_pair"))
 
 
 def test_ddp_ranks_get_the_same_number_of_batches(shards, monkeypatch):
@@ -119,7 +141,7 @@ def test_ddp_ranks_get_the_same_number_of_batches(shards, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "2")
         loader = ShardLoader(shards, "train", StubMethod(), CTX, batch_size=2, seed=0)
         batches = run(loader, 0)
-        lengths.append((len(loader), len(batches)))
+        lengths.append((loader.epoch_length(0), len(batches)))
         seen |= {k for s, _, _ in batches for k in s}
     n = len(records(shards, "train"))
     assert lengths[0] == lengths[1] == (-(-n // 4), -(-n // 4))
@@ -129,10 +151,10 @@ def test_ddp_ranks_get_the_same_number_of_batches(shards, monkeypatch):
 def test_validation_loader_reads_every_sample_once(shards):
     loader = ShardLoader(shards, "val", StubMethod(), CTX, batch_size=4, train=False, num_workers=2)
     keys = [k for s, _, _ in run(loader, 0) for k in s]
-    assert sorted(keys) == sorted(records(shards, "val")) and len(list(loader.batches(0))) == len(loader)
+    assert sorted(keys) == sorted(records(shards, "val")) and len(list(loader.batches(0))) == loader.epoch_length(0)
 
 
-def test_a_corrupt_image_is_a_counted_skip(tmp_path):
+def test_a_corrupt_image_is_a_counted_skip_replaced_by_a_counted_repeat(tmp_path):
     import webdataset as wds
 
     with wds.TarWriter(str(tmp_path / "train-000000.tar"), mtime=0) as w:
@@ -140,11 +162,12 @@ def test_a_corrupt_image_is_a_counted_skip(tmp_path):
             rec = {"image_id": str(i), "source": "coco", "captions": ["a"]}
             w.write({"__key__": f"coco_{i}", "jpg": b"garbage" if i == 2 else jpeg(10, 10, i), "txt": "a",
                      "json": json.dumps(rec).encode()})
-    loader = ShardLoader(tmp_path, "train", StubMethod(), CTX, batch_size=2, shuffle_buffer=1)
+    write_index(tmp_path)
+    loader = ShardLoader(tmp_path, "train", StubMethod(), CTX, batch_size=2)
     batches = run(loader, 0)
-    assert len(batches) == len(loader) == 3
+    assert len(batches) == loader.epoch_length(0) == 3 and all(len(s) == 2 for s, _, _ in batches)   # sizes kept
     assert key_id("coco_2") not in {k for s, _, _ in batches for k in s}
-    assert loader.stats["corrupt_images_skipped"] >= 1
+    assert loader.stats["corrupt_images_skipped"] == loader.stats["units_repeated"] == 1
 
 
 def test_boxes_are_refused_under_a_random_crop_transform():
@@ -200,15 +223,16 @@ def test_method_epoch_unit_visits_every_caption_once_in_a_seeded_order(shards):
     every = {(k, i) for k, r in coco.items() for i in range(len(r["captions"]))}
     assert len(every) > len(coco)                               # the world has images with several captions
     by_image = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3)
-    assert len(by_image) == -(-len(coco) // 4)                  # epoch_unit image: one draw per image, as before
+    assert by_image.epoch_length(0) == -(-len(coco) // 4)       # epoch_unit image: one draw per image, as before
     loader = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3, epoch_unit="method")
-    assert loader.epoch_unit == "caption" and loader.num_units == len(every) and len(loader) == -(-len(every) // 4)
+    assert loader.epoch_unit == "caption" and loader.num_units == len(every)
+    assert loader.epoch_length(0) == -(-len(every) // 4)
     epoch0 = unit_pairs(loader.batches(0))
-    assert len(epoch0) == 4 * len(loader)
-    assert set(epoch0) == every                                 # each (image, caption) once ...
-    assert len(epoch0) - len(set(epoch0)) == 4 * len(loader) - len(every)     # ... plus the last batch's fill
+    assert len(epoch0) == 4 * loader.epoch_length(0)
+    assert sorted(epoch0[:len(every)]) == sorted(every)         # each (image, caption) exactly once ...
+    assert len(epoch0) - len(every) == 4 * loader.epoch_length(0) - len(every)     # ... then the next pass's fill
     epoch1 = unit_pairs(loader.batches(1))
-    assert set(epoch1) == every and epoch1 != epoch0            # a new seeded order every epoch
+    assert set(epoch1) <= every and epoch1 != epoch0            # a new seeded order every epoch
     again = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3, epoch_unit="method")
     assert unit_pairs(again.batches(0)) == epoch0
 
@@ -243,7 +267,7 @@ def test_epoch_samples_trains_every_epoch_on_one_fixed_seeded_sample_of_the_unit
                            epoch_samples=n)
 
     loader = make()
-    assert loader.num_units == n and len(loader) == n // 4
+    assert loader.num_units == n and loader.epoch_length(0) == n // 4
     epoch0, epoch1 = unit_pairs(loader.batches(0)), unit_pairs(loader.batches(1))
     assert len(set(epoch0)) == len(epoch0) == n and set(epoch0) < every      # n distinct captions, no repeats
     assert set(epoch1) == set(epoch0) and epoch1 != epoch0                     # the same sample, a new order
@@ -252,7 +276,7 @@ def test_epoch_samples_trains_every_epoch_on_one_fixed_seeded_sample_of_the_unit
     drawn = random.Random("3:epoch_samples").sample(names, n)
     assert {(key_id(x.split("#")[0]), int(x.split("#")[1])) for x in drawn} == set(epoch0)
     assert set(unit_pairs(make(seed=4).batches(0))) != set(epoch0)
-    assert make().stats == {} and loader.stats["outside_epoch_sample"] > 0
+    assert make().stats == {} and loader.stats["examples"] == 2 * n          # only the sample's units are read
     whole = ShardLoader(shards, "train", CaptionUnitStub(), CTX, batch_size=4, seed=3, epoch_unit="method",
                         epoch_samples=10 ** 6)                  # more than there are: every unit, as 0
     assert whole.num_units == len(every)

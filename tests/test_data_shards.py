@@ -118,6 +118,64 @@ def test_index_lists_each_sources_shards_and_field_signatures(built):
             assert all(sig["example"] in mine for sig in entry["signatures"])
 
 
+def test_the_index_locates_every_members_bytes_by_offset(built):
+    """index.json's record table: per record its shard and each member's byte offset and size, as tarfile finds
+    them; every sample of the shards is listed once."""
+    _, out, _ = built
+    index = json.loads((out / "index.json").read_text())
+    samples = read_all(out)
+    listed = []
+    for split in ("train", "val"):
+        for entry in index[split].values():
+            table = entry["records"]
+            assert len(table["keys"]) == len(table["shard"]) == entry["samples"]
+            for i, key in enumerate(table["keys"]):
+                shard = out / entry["shards"][table["shard"][i]]
+                assert samples[key]["__shard__"] == shard.name
+                data = shard.read_bytes()
+                for member in ("jpg", "json", "txt"):
+                    at, size = table["offset"][member][i], table["size"][member][i]
+                    assert data[at:at + size] == samples[key][member], (key, member)
+                listed.append(key)
+    assert sorted(listed) == sorted(samples)
+
+
+def test_the_index_is_written_with_the_shards_atomically(built, tmp_path, monkeypatch):
+    """The folder (tars, sizes.json, meta.json, index.json) is replaced as a whole: a failure while indexing leaves
+    the previous shards and their index untouched, never tars beside a stale or missing index."""
+    import shutil
+
+    from clipfinetune.data.prepare import shards as shards_module
+
+    world, out, _ = built
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+
+    def killed(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards_module, "index_shards", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build(world, copy, maxcount=3)                                  # other shards than before
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_sample_without_json_is_an_index_error_naming_shard_and_key(tmp_path):
+    import webdataset as wds
+
+    from clipfinetune.data.prepare.shards import write_index
+
+    with wds.TarWriter(str(tmp_path / "train-000000.tar"), mtime=0) as w:
+        w.write({"__key__": "coco_1", "jpg": jpeg(4, 4, 1), "json": json.dumps({"source": "coco"}).encode()})
+        w.write({"__key__": "coco_2", "jpg": jpeg(4, 4, 2)})
+    with pytest.raises(InputError, match="needs .jpg and .json") as err:
+        write_index(tmp_path)
+    assert "train-000000.tar" in str(err.value) and "coco_2" in str(err.value)
+    assert not (tmp_path / "index.json").exists()
+
+
 def test_rerun_is_byte_identical(built, tmp_path):
     world, out, _ = built
     build(world, tmp_path / "again")

@@ -277,7 +277,7 @@ class ListSource:
     def __init__(self, micro_batches):
         self.micro_batches = micro_batches
 
-    def __len__(self):
+    def epoch_length(self, epoch):
         return len(self.micro_batches)
 
     def batches(self, epoch, start=0):

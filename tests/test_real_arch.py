@@ -108,7 +108,7 @@ RUNS = {   # run -> (method, config, records)
 
 
 class OneBatch:
-    def __len__(self):
+    def epoch_length(self, epoch):
         return 1
 
 

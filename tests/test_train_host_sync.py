@@ -120,7 +120,7 @@ class Batches:
     def __init__(self, micro):
         self.micro = micro
 
-    def __len__(self):
+    def epoch_length(self, epoch):
         return len(self.micro)
 
     def batches(self, epoch, start=0):

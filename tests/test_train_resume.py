@@ -220,6 +220,8 @@ def _write_shards(root, n=24, per_shard=12):
     import webdataset as wds
     from PIL import Image
 
+    from clipfinetune.data.prepare.shards import write_index
+
     root.mkdir()
     for s in range(n // per_shard):
         with wds.TarWriter(str(root / f"train-{s:06d}.tar")) as sink:
@@ -231,6 +233,7 @@ def _write_shards(root, n=24, per_shard=12):
                           "long_caption": "", "word_regions": [], "sentences": [], "local_pair": [], "negatives": []}
                 sink.write({"__key__": f"coco_{i}", "jpg": jpg.getvalue(), "txt": caps[0],
                             "json": _json.dumps(record).encode()})
+    write_index(root)
 
 
 class _Crashing:
@@ -239,8 +242,8 @@ class _Crashing:
     def __init__(self, source, crash_at):
         self.source, self.crash_at = source, crash_at
 
-    def __len__(self):
-        return len(self.source)
+    def epoch_length(self, epoch):
+        return self.source.epoch_length(epoch)
 
     def batches(self, epoch, start=0):
         for i, batch in enumerate(self.source.batches(epoch, start), start=start):
@@ -268,13 +271,12 @@ def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(t
 
     ctx = ExampleContext(transform, tokenize, SIZE)
 
-    def trainer(name, crash_at=None):
-        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=4, seed=0, num_workers=2,
-                             shuffle_buffer=8)
+    def trainer(name, crash_at=None, batch=4, epochs=2, every=4):
+        loader = ShardLoader(tmp_path / "shards", "train", ClipMethod(), ctx, batch_size=batch, seed=0, num_workers=2)
         source = _Crashing(loader, crash_at) if crash_at else loader
         made = Trainer(ClipMethod(), TinyClipModel(seed=0), source,
-                       config(epochs=2, batch_size=4, checkpoint_every=4, lr=2e-3), checkpoint_dir=tmp_path / name,
-                       fingerprint="shards")
+                       config(epochs=epochs, batch_size=batch, checkpoint_every=every, lr=2e-3),
+                       checkpoint_dir=tmp_path / name, fingerprint="shards")
         return made, made.resume()
 
     straight = trainer("straight")[0].fit()
@@ -282,6 +284,19 @@ def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(t
         trainer("resumed", crash_at=(0, 5))[0].fit()              # 6 steps per epoch; last checkpoint: step 4
     again, resumed_it = trainer("resumed")
     assert resumed_it and again.step == 4
+    resumed = again.fit()
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    # 24 images, batch 7: one stream of passes cut into batches, so epochs of ceil(24 e / 7) steps: 4, 3, 4
+    odd = {"batch": 7, "epochs": 3, "every": 2}
+    straight = trainer("odd-straight", **odd)[0]
+    assert straight.epoch_steps == [4, 3, 4] and straight.total_steps == 11
+    straight = straight.fit()
+    with pytest.raises(KeyboardInterrupt):
+        trainer("odd", crash_at=(1, 2), **odd)[0].fit()           # the third step of epoch 1 (step 7)
+    again, resumed_it = trainer("odd", **odd)
+    assert resumed_it and again.step == 6 and again.epoch_position(6) == (1, 2)
     resumed = again.fit()
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name

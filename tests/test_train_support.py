@@ -57,12 +57,12 @@ class ToySource:
     def __init__(self, n=40, batch_size=8, workers=0, seed=0, crash_at=None):
         self.n, self.batch_size, self.workers, self.seed, self.crash_at = n, batch_size, workers, seed, crash_at
 
-    def __len__(self):
+    def epoch_length(self, epoch):
         return self.n // self.batch_size
 
     def batches(self, epoch, start=0):
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-        indices = order[start * self.batch_size:len(self) * self.batch_size]
+        indices = order[start * self.batch_size:self.epoch_length(epoch) * self.batch_size]
         loader = DataLoader(_ToyEpoch(indices, epoch, self.seed, self.crash_at), batch_size=self.batch_size,
                             num_workers=self.workers, generator=torch.Generator().manual_seed(0))
         for i, batch in enumerate(loader, start=start):

@@ -1,68 +1,77 @@
-"""The training loader: shards -> method batches, deterministic by (seed, epoch) and resumable exactly.
+"""The training loader: shards -> method batches, every unit of an epoch exactly once across all readers.
 
-Pipeline per loader worker (a WebDataset pipeline; rank/world given to ShardLoader, else from
-`webdataset.utils.pytorch_worker_info`, i.e. env RANK/WORLD_SIZE or torch.distributed; worker ids from torch):
+An epoch is cut in named steps, read top to bottom (`UnitTable` -> `Schedule` -> `_EpochStream` -> `ShardLoader`):
 
-    for each pass over the data (train: pass after pass until the epoch's batches are made):
-        shard list (of the sources the method wants, index.json) shuffled by (seed, epoch, pass)
-        -> this reader's share (`reader_shards`: whole shards, or every k-th sample of a shared one)
-        -> wds.tarfile_to_samples -> json -> method.wants(record) filter
-        -> shuffle buffer seeded by (seed, epoch, rank, worker, pass)
-    -> skip (resume) -> PIL RGB decode (corrupt: counted skip) -> method.make_example(record, image, rng, ctx)
-    -> default_collate per `batch_size` -> exactly `batches_per_epoch / max(1, num_workers)` batches
+1. **Units** (`UnitTable`, once per loader): the shard index (`index.json`, written by the `shards` stage) names the
+   sources whose records the method wants (its field signatures) and every record's shard and byte offsets; each
+   record's json is read by offset (images are never read here) and `method.wants` applied. A wanted record is one
+   unit (`epoch_unit` "image": `make_example` draws a caption/row with its rng) or `method.units(record)` units
+   ("method": captions, word-region pairs; `unit_record` narrows the record to one). `epoch_samples` = N > 0 (fewer
+   than the units) keeps a FIXED subset, drawn once per run: `random.Random(f"{seed}:epoch_samples").sample` of the
+   sorted unit names ("<key>" or "<key>#<unit>"), every epoch one pass over it (FSC-CLIP App. A.3's 100K).
+2. **Order** (`Schedule.order`): epoch e is one pass over the N units in an order seeded by (seed, e) (numpy's
+   SeedSequence([seed, e])), with the sibling rule applied (below).
+3. **Stream and remainder rule**: the passes follow one another as ONE stream, cut into global batches of G =
+   micro-batch x ranks x accum_steps units; optimiser step k reads stream positions [kG, (k+1)G). The steps of epoch
+   e are those whose batch starts in pass e: ceil((e+1)N/G) - ceil(eN/G), i.e. floor(N/G) or ceil(N/G), and a run of
+   E epochs is ceil(EN/G) steps. So every unit comes exactly once per pass and nothing is dropped: when G does not
+   divide N, one batch per epoch holds the end of a pass and the start of the next, and the run's last batch is
+   completed from pass E's order (fewer than G units, the only reads beyond the run's epochs).
+4. **Partition** (`Schedule.micro_batches`, `Schedule.positions`): a step is `accum_steps` micro-steps of ranks x
+   micro-batch units; rank r takes the r-th micro-batch-sized slice of each; DataLoader worker w of W takes every W-th
+   of the rank's micro-batches from where the iteration starts, which is the order in which torch's DataLoader
+   returns its workers' batches (round-robin). A record is read by offset wherever it is needed, so the contents of
+   a global step do not depend on the number of ranks or workers (training is rank-count invariant up to the order
+   of float reductions), and every unit is read by exactly one reader. `epoch_coverage` runs these same functions
+   for `clipfinetune plan`.
+5. **Sibling rule** (`_separate_siblings`): no global batch holds two units of one record (sibling captions would be
+   false negatives) wherever a swap with a unit of another whole batch of the same pass avoids it; this includes the
+   batch shared by two passes (the head of a pass is checked against the tail of the previous one). The tail of a
+   pass (its last, partial batch) is settled first and never changed again, so the next pass computes it from
+   (seed, e - 1) alone. With fewer units than a global batch no swap is possible and siblings may meet.
+6. **Examples** (`_EpochStream`): the unit at stream position p is decoded and `make_example(record, image, rng,
+   ctx)` gets rng = `random.Random(f"{seed}:{p}")`; its first draw (`getrandbits(63)`) seeds the CPU torch generator
+   first, so random augmentations are a function of the position too, at any worker count (with num_workers=0 the
+   main process's torch RNG is saved and restored around the example). A corrupt image (the `shards` stage verified every image, so only on-disk damage
+   after it) is a counted skip (`corrupt_images_skipped`); in training the next unit of the pass order that decodes
+   takes its place (counted as `units_repeated`), so every rank's batch keeps its size.
 
 Decisions:
-- **Epoch length without a DataLoader-wide count**: at construction the loader reads the shards' json
-  members (tar headers are seeked over; no image is read or decoded) and counts the samples the method
-  wants. `batches_per_epoch = ceil(wanted / (batch_size * world))`, rounded up to a multiple of the
-  worker count (open_clip's rule). Every rank runs exactly that many batches (the shard stream is
-  repeated, so a rank whose shards hold fewer samples repeats some): DDP ranks never wait on each other.
-- **Determinism**: shard order, shuffle buffer and the per-example `rng` are seeded by strings of
-  (seed, epoch, rank, worker, position); torch's DataLoader returns worker batches round-robin, in
-  order. The same (seed, epoch, world size, num_workers, batch_size) give the same batches.
-- **Resume** at (epoch, k): every worker skips its first k // W batches *before* decoding images (the
-  filter and shuffle are replayed; they are cheap), the main process drops the remaining k % W. A
-  corrupt image inside the skipped region would shift later batches by one sample; the `shards` stage
-  verifies every image, so this can only come from on-disk damage after the stage ran.
-- `make_example`'s rng: `random.Random("seed:epoch:rank:worker:n")` for the worker's n-th wanted sample;
-  its first draw seeds the worker's torch RNG (workers only; with num_workers=0 torch's RNG is untouched).
-- Statistics (samples seen, dropped by the method filter, corrupt images, repeats) are counted in the
-  workers, travel with each batch and are summed in `ShardLoader.stats`; each epoch ends with a log line.
-- **Persistent workers**: one DataLoader per loader, `persistent_workers=True`; the epoch and the resume
-  skip reach the workers through shared `multiprocessing.Value`s (open_clip's SharedEpoch), so lazy
-  per-worker resources (FSC-CLIP's spaCy + WordNet, ~10 s) load once per run, not once per epoch. Nothing
-  is warmed in the main process before the fork: NLTK's WordNet reader keeps open file handles whose
-  offsets forked workers would share. A worker re-seeds its own torch RNG before every example (from that
-  example's rng), so a transform that draws from torch is deterministic and resumable too.
-- Validation (`train=False`): one pass in shard order, no shuffle, partial last batches, no repeats.
-- **Epoch unit** (`epoch_unit`): "image" (default) draws one example per wanted record per epoch (the method's
-  `make_example` picks a caption/row with its rng). "method" iterates the method's own `epoch_unit` (caption,
-  word-region pair; `Method.units`/`unit_record`): the epoch's length is the number of units, and ONE read of
-  the shards yields every unit of every wanted record (`_unit_shuffle`: a shuffle buffer of records, each
-  giving its units in an order seeded by (seed, epoch, key, pass), one at a time at random draws; a draw avoids
-  records already in the current batch while the buffer holds others, so a batch rarely has sibling captions as
-  false negatives). So every unit comes once per epoch (one worker and rank; with several, up to the shard
-  imbalance images have too), memory is one shuffle buffer, and determinism and resume are those of image
-  epochs: the unit position is the stream position.
-- **Any ranks x workers**: with fewer shards than readers (ranks x workers), readers share a shard and keep
-  every k-th sample of it (`reader_shards`); steps per epoch are the same on every rank (the count above).
-- **Epoch sample** (`epoch_samples` = N > 0, fewer than the epoch's units): training runs on a FIXED subset of N
-  units (images, or the method's units), drawn once per run with `random.Random(f"{seed}:epoch_samples")` from
-  the sorted unit keys ("<key>" or "<key>#<unit>"); every epoch is one pass over that subset, in its own seeded
-  order (FSC-CLIP App. A.3: "100K randomly sampled examples", 5 epochs over them). Units outside it are skipped
-  before decoding and counted (`outside_epoch_sample`).
+- **Resume** at (epoch, micro-batch k): the workers start at micro-batch k of the epoch directly (no sample is read
+  or decoded twice); the same global batch gives the same batches. A different rank count reads the same global
+  batches too, but the trainer's checkpoint keeps per-rank RNG states and its world size: `Trainer` treats a
+  changed rank count as another run and trains from scratch.
+- **Determinism**: every choice is a function of (seed, epoch, stream position), never of the rank or worker.
+- **Persistent workers**: one DataLoader per loader, `persistent_workers=True`; the epoch and the start reach the
+  workers through shared `multiprocessing.Value`s (open_clip's SharedEpoch), so lazy per-worker resources (FSC-CLIP's
+  spaCy + WordNet, ~10 s) load once per run. Nothing is warmed in the main process before the fork (NLTK's WordNet
+  reader keeps file handles whose offsets forked workers would share); records are read with `os.pread`, which has
+  no shared offset.
+- **Statistics** (examples, corrupt images, repeats) are counted in the workers, travel with each batch and are
+  summed in `ShardLoader.stats`; each epoch ends with a log line. Records the method does not want are counted once
+  (`ShardLoader.dropped_by_method`).
+- **Validation** (`train=False`): one pass over the wanted records in index order, no shuffle, no repeats; rank r
+  takes every world-th record, in batches that may end partial; workers take every W-th batch.
+- **The record index, not `wids`**: webdataset's `wids` gives indexed access too, but it copies every shard into a
+  cache folder (`/tmp/_wids_cache` unless told otherwise), re-scans each tar's headers in every worker that opens
+  it, and its index lists per-shard sample counts only. Here the `shards` stage writes each record's member offsets
+  once (`clipfinetune.data.prepare.shards.index_shards`), so the loader and `epoch_coverage` read them without
+  opening a tar header, and a reader is `os.pread` on the shard file.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import random
-import tarfile
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
@@ -70,6 +79,9 @@ from clipfinetune import boxes as boxlib
 from clipfinetune.io import InputError, read_image
 
 log = logging.getLogger(__name__)
+INDEX = "index.json"            # the shards stage's index (clipfinetune.data.prepare.shards.index_shards)
+READ_MEMBERS = ("jpg", "json")  # what the loader reads of a record
+OPEN_SHARDS = 64                # file handles a reader keeps open (least recently used closed first)
 
 
 class ExampleContext:
@@ -109,367 +121,478 @@ class ExampleContext:
         return self._token_span(text, char_start, char_end)
 
 
-def wanted_sources(shards_dir: str | Path, split: str, method) -> list[str] | None:
-    """The sources of `split` whose records `method` wants, from the shards stage's index.json: a source is read
-    iff `method.wants` accepts the example record of one of its field signatures (`wants` looks at which fields
-    a record carries, never at its source). None when the shards have no index (all shards are read)."""
-    path = Path(shards_dir) / "index.json"
-    if method is None or not path.is_file():
-        return None
-    index = json.loads(path.read_text()).get(split, {})
+# ------------------------------------------------------------------------------------------ the shard index
+def load_index(shards_dir: str | os.PathLike) -> dict:
+    """The shards' `index.json`; missing or unreadable: an InputError naming the file and the stage that writes it."""
+    path = Path(shards_dir) / INDEX
+    if not path.is_file():
+        raise InputError(path, None, "missing: the shard index is written by stage `shards` (run `dvc repro shards`)")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(path, None, f"unreadable shard index ({e}): re-run `dvc repro shards`") from e
+    if not isinstance(index, dict):
+        raise InputError(path, None, "not a shard index (expected {split: {source: ...}}): re-run `dvc repro shards`")
+    return index
+
+
+def wanted_sources(shards_dir: str | Path, split: str, method) -> list[str]:
+    """The sources of `split` whose records `method` wants, from the shard index: a source is read iff `method.wants`
+    accepts the example record of one of its field signatures (`wants` looks at which fields a record carries,
+    never at its source)."""
+    index = load_index(shards_dir).get(split) or {}
     return sorted(source for source, entry in index.items()
-                  if any(method.wants(sig["example"]) for sig in entry["signatures"]))
+                  if any(method.wants(sig["example"]) for sig in entry.get("signatures", [])))
 
 
-def shard_paths(shards_dir: str | Path, split: str, method=None) -> list[str]:
-    """The `split` shards, only those of the sources `method` wants when the shards have an index.json."""
-    paths = sorted(str(p) for p in Path(shards_dir).glob(f"{split}-*.tar"))
-    if not paths:
-        raise InputError(shards_dir, split, f"no {split}-*.tar shards (run `dvc repro shards`)")
-    sources = wanted_sources(shards_dir, split, method)
-    if sources is not None:
-        index = json.loads((Path(shards_dir) / "index.json").read_text())[split]
-        names = {name for source in sources for name in index[source]["shards"]}
-        paths = [p for p in paths if Path(p).name in names]
-        if not paths:
+class RecordStore:
+    """The records of some sources of one split, each read by offset from its shard (`os.pread`; a few shard files
+    kept open per process, reopened after a fork or pickling)."""
+
+    def __init__(self, shards_dir: str | Path, split: str, sources: list[str]):
+        index_path = Path(shards_dir) / INDEX
+        entries = load_index(shards_dir).get(split) or {}
+        self.paths: list[str] = []
+        keys, shard, offset, size = [], [], {m: [] for m in READ_MEMBERS}, {m: [] for m in READ_MEMBERS}
+        for source in sources:
+            entry = entries.get(source)
+            table = entry.get("records") if isinstance(entry, dict) else None
+            try:
+                n = len(table["keys"])
+                if not (len(table["shard"]) == n and all(len(table["offset"][m]) == len(table["size"][m]) == n
+                                                         for m in READ_MEMBERS)):
+                    raise ValueError("columns of different lengths")
+                shard += [len(self.paths) + s for s in table["shard"]]
+            except (KeyError, TypeError, ValueError) as e:
+                raise InputError(index_path, f"{split}/{source}", f"no valid record table ({e!r}); an index written "
+                                 f"before record tables existed? re-run `dvc repro shards`") from None
+            self.paths += [str(Path(shards_dir) / name) for name in entry["shards"]]
+            keys += table["keys"]
+            for m in READ_MEMBERS:
+                offset[m] += table["offset"][m]
+                size[m] += table["size"][m]
+        self.keys = keys
+        self.shard = np.asarray(shard, dtype=np.int64)
+        self.offset = {m: np.asarray(v, dtype=np.int64) for m, v in offset.items()}
+        self.size = {m: np.asarray(v, dtype=np.int64) for m, v in size.items()}
+        self._check_shards(index_path)
+        self._files: OrderedDict[int, int] = OrderedDict()
+        self._pid = os.getpid()
+
+    def _check_shards(self, index_path: Path) -> None:
+        """Every listed shard exists and is as long as its records say (an index that disagrees with the tars)."""
+        ends = np.zeros(len(self.paths), dtype=np.int64)
+        for m in READ_MEMBERS:
+            np.maximum.at(ends, self.shard, self.offset[m] + self.size[m])
+        for path, end in zip(self.paths, ends.tolist()):
+            if not os.path.isfile(path):
+                raise InputError(path, None, f"listed in {index_path} but missing: re-run `dvc repro shards`")
+            if os.path.getsize(path) < end:
+                raise InputError(path, None, f"shorter than {index_path} says ({os.path.getsize(path)} < {end} "
+                                             f"bytes): the index and the shards disagree; re-run `dvc repro shards`")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": OrderedDict()}          # open files stay with their process
+
+    def read(self, i: int, member: str) -> bytes:
+        s = int(self.shard[i])
+        if self._pid != os.getpid():             # a forked worker: its own descriptors (closing the parent's is fine)
+            self._files, self._pid = OrderedDict(), os.getpid()
+        fd = self._files.pop(s, None)
+        if fd is None:
+            fd = os.open(self.paths[s], os.O_RDONLY)
+            while len(self._files) >= OPEN_SHARDS:
+                os.close(self._files.popitem(last=False)[1])
+        self._files[s] = fd
+        size = int(self.size[member][i])
+        data = os.pread(fd, size, int(self.offset[member][i]))
+        if len(data) != size:
+            raise InputError(self.paths[s], self.keys[i], f"truncated .{member} member ({len(data)} of {size} bytes)")
+        return data
+
+    def record(self, i: int) -> dict:
+        try:
+            return json.loads(self.read(i, "json"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(self.paths[int(self.shard[i])], self.keys[i], f"unreadable json member ({e})") from e
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._files.values():
+                os.close(fd)
+        self._files = OrderedDict()
+
+
+# ------------------------------------------------------------------------------------------ 1. units
+class UnitTable:
+    """The units of an epoch: (record, unit) pairs of the records `method` wants (module docstring, step 1)."""
+
+    def __init__(self, shards_dir: str | Path, split: str, method, *, per_unit: bool, epoch_samples: int = 0,
+                 seed: int = 0):
+        sources = wanted_sources(shards_dir, split, method)
+        if not sources:
+            if not (load_index(shards_dir).get(split) or {}):
+                raise InputError(shards_dir, split, f"no {split} shards in the index (run `dvc repro shards`)")
             raise InputError(shards_dir, split, f"method {method.name!r} wants the records of no source (do "
                              f"`shards.sources` and the data stages whose tables it reads, `<stage>.sources`, "
                              f"include its corpus?)")
-    return paths
+        self.store = RecordStore(shards_dir, split, sources)
+        self.method, self.per_unit = method, per_unit
+        wanted, counts = [], []
+        for i in range(len(self.store)):
+            record = self.store.record(i)
+            if method.wants(record):
+                wanted.append(i)
+                counts.append(method.units(record) if per_unit else 1)
+        self.num_samples, self.num_wanted = len(self.store), len(wanted)
+        if not wanted:
+            raise InputError(shards_dir, split, f"method {method.name!r} wants none of the {self.num_samples} samples")
+        counts_arr = np.asarray(counts, dtype=np.int64)
+        self.records = np.repeat(np.asarray(wanted, dtype=np.int64), counts_arr)       # store position per unit
+        starts = np.cumsum(counts_arr) - counts_arr
+        self.numbers = np.arange(len(self.records)) - np.repeat(starts, counts_arr)   # unit index in its record
+        self.all_units, self.most_units = len(self.records), int(counts_arr.max())
+        if epoch_samples < 0:
+            raise ValueError(f"epoch_samples must be >= 0, got {epoch_samples}")
+        if 0 < epoch_samples < len(self.records):
+            names = self.names()
+            drawn = set(random.Random(f"{seed}:epoch_samples").sample(sorted(names), epoch_samples))
+            keep = np.fromiter((n in drawn for n in names), dtype=bool, count=len(names))
+            self.records, self.numbers = self.records[keep], self.numbers[keep]
+        self.store.close()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def names(self) -> list[str]:
+        """"<key>#<unit>" (per unit) or "<key>" of each unit, in table order."""
+        keys = self.store.keys
+        if self.per_unit:
+            return [f"{keys[r]}#{u}" for r, u in zip(self.records.tolist(), self.numbers.tolist())]
+        return [keys[r] for r in self.records.tolist()]
+
+    def read(self, unit: int) -> tuple[str, dict, bytes, str]:
+        """(key, record narrowed to the unit, jpg bytes, where it lies) of unit `unit`."""
+        i = int(self.records[unit])
+        record = self.store.record(i)
+        if self.per_unit:
+            record = self.method.unit_record(record, int(self.numbers[unit]))
+        return self.store.keys[i], record, self.store.read(i, "jpg"), self.store.paths[int(self.store.shard[i])]
 
 
-def reader_shards(order: list[str], reader: int, readers: int) -> list[tuple[str, int, int]]:
-    """(shard, part, parts) for reader `reader` of `readers` (rank x worker): with at least as many shards as
-    readers, every `readers`-th shard whole (part 0 of 1; webdataset's split_by_node then split_by_worker when
-    reader = rank + world * worker); with fewer, the readers share shard `reader % len(order)`, each keeping the
-    samples whose position in it is `part` modulo `parts` (sample-level split), so any ranks x workers work."""
-    if len(order) >= readers:
-        return [(u, 0, 1) for u in order[reader::readers]]
-    shard = reader % len(order)
-    return [(order[shard], reader // len(order), len(range(shard, readers, len(order))))]
+# ------------------------------------------------------------------------------------------ 2-5. the schedule
+@dataclass(eq=False)
+class Schedule:
+    """Training: which units every rank and worker reads, at any ranks x workers (module docstring, steps 2-5)."""
+
+    units: int                              # N, units of one epoch
+    micro_batch: int                        # B, per rank
+    world_size: int = 1
+    accum_steps: int = 1
+    seed: int = 0
+    unit_records: np.ndarray | None = None  # the record of each unit, for the sibling rule (None: no rule)
+    _orders: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if min(self.units, self.micro_batch, self.world_size, self.accum_steps) < 1:
+            raise ValueError(f"a schedule needs units, micro-batch, ranks and accum_steps >= 1: {self}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.accum_steps
+
+    def first_step(self, epoch: int) -> int:
+        """The optimiser step at which `epoch` starts: the first global batch that starts in its pass."""
+        return -(-epoch * self.units // self.global_batch)
+
+    def steps(self, epochs: int) -> int:
+        """Optimiser steps of a run of `epochs` epochs."""
+        return self.first_step(epochs)
+
+    def epoch_length(self, epoch: int, rank: int = 0) -> int:
+        """Micro-batches of `epoch` on every rank."""
+        return (self.first_step(epoch + 1) - self.first_step(epoch)) * self.accum_steps
+
+    def micro_batches(self, epoch: int, start: int, worker: int = 0, workers: int = 1, rank: int = 0) -> range:
+        """The stream's micro-step indices that worker `worker` of `workers` of a rank yields for `epoch` from the
+        epoch's micro-batch `start` on, in order (the same for every rank)."""
+        first = self.first_step(epoch) * self.accum_steps
+        return range(first + start + worker, self.first_step(epoch + 1) * self.accum_steps, workers)
+
+    def positions(self, micro, rank: int) -> np.ndarray:
+        """Stream positions of rank `rank`'s micro-batch in micro-step(s) `micro`: [..., micro_batch]."""
+        at = np.asarray(micro, dtype=np.int64)[..., None] * (self.micro_batch * self.world_size)
+        return at + rank * self.micro_batch + np.arange(self.micro_batch)
+
+    def batch_positions(self, micro: int, rank: int) -> np.ndarray:
+        return self.positions(micro, rank)
+
+    def units_at(self, positions: np.ndarray) -> np.ndarray:
+        """The unit at each stream position."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty_like(positions)
+        passes = positions // self.units
+        for e in np.unique(passes).tolist():
+            here = passes == e
+            out[here] = self.order(e)[positions[here] - e * self.units]
+        return out
+
+    def candidates(self, position: int) -> Iterator[int]:
+        """The unit at `position`, then the units after it in its pass's order (a corrupt image's replacements)."""
+        e, i = divmod(int(position), self.units)
+        order = self.order(e)
+        for j in range(self.units):
+            yield int(order[(i + j) % self.units])
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s pass: the N unit ids in its seeded order, the sibling rule applied (cached)."""
+        if epoch not in self._orders:
+            if len(self._orders) >= 3:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = self._pass_order(epoch, after_previous=True)
+        return self._orders[epoch]
+
+    def _pass_order(self, epoch: int, after_previous: bool) -> np.ndarray:
+        n, g = self.units, self.global_batch
+        order = np.random.default_rng([self.seed % 2 ** 63, epoch]).permutation(n)
+        if self.unit_records is None:
+            return order
+        head = self.first_step(epoch) * g - epoch * n      # this pass's units in the batch the previous pass began
+        before = np.empty(0, dtype=np.int64)
+        if after_previous and epoch > 0 and head > 0:
+            previous = self._pass_order(epoch - 1, after_previous=False)     # its tail does not depend on its head
+            start = max(0, (self.first_step(epoch) - 1) * g - (epoch - 1) * n)
+            before = self.unit_records[previous[start:]]
+        _separate_siblings(order, self.unit_records, head, g, before)
+        return order
 
 
-def iter_shard_records(path: str) -> Iterator[tuple[str, dict]]:
-    """(key, json record) of every sample in one shard; image members are seeked over, never read."""
-    with tarfile.open(path) as tf:
-        for m in tf:
-            if m.isfile() and m.name.endswith(".json"):
-                yield m.name[:-len(".json")], json.loads(tf.extractfile(m).read())
-
-
-def count_shards(paths: list[str], method, units: bool = False) -> dict:
-    """One read of the shards' json members: per shard the samples ("totals"), the samples the method wants
-    ("wanted") and, with `units`, the method's `units` summed over those ("units"); "most_units" (the most one
-    record holds) and "first" ((shard, key) of the first wanted sample)."""
-    out = {"totals": [], "wanted": [], "units": [], "most_units": 0, "first": None}
-    for p in paths:
-        n = w = k = 0
-        for key, rec in iter_shard_records(p):
-            n += 1
-            if method.wants(rec):
-                w += 1
-                out["first"] = out["first"] or (p, key)
-                if units:
-                    u = method.units(rec)
-                    k, out["most_units"] = k + u, max(out["most_units"], u)
-        out["totals"].append(n)
-        out["wanted"].append(w)
-        out["units"].append(k)
-    return out
-
-
-def count_wanted(paths: list[str], method) -> tuple[list[int], list[int], tuple[str, str] | None]:
-    """Per shard: (samples, samples the method wants), and (shard, key) of the first wanted sample."""
-    c = count_shards(paths, method)
-    return c["totals"], c["wanted"], c["first"]
-
-
-def sample_units(paths: list[str], method, n: int, seed: int, per_unit: bool) -> frozenset[str]:
-    """A fixed, seeded sample of `n` unit keys ("<key>#<unit>" if `per_unit`, else "<key>") of the wanted records."""
-    keys = []
-    for p in paths:
-        for key, rec in iter_shard_records(p):
-            if method.wants(rec):
-                keys += [f"{key}#{u}" for u in range(method.units(rec))] if per_unit else [key]
-    return frozenset(random.Random(f"{seed}:epoch_samples").sample(sorted(keys), n))
-
-
-def _seeded(*parts) -> random.Random:
-    return random.Random(":".join(str(p) for p in parts))
-
-
-def _buffer_shuffle(items, bufsize: int, rng: random.Random):
-    buf = []
-    for x in items:
-        if len(buf) < bufsize:
-            buf.append(x)
+def _separate_siblings(order: np.ndarray, unit_records: np.ndarray, head: int, batch: int,
+                       before: np.ndarray) -> None:
+    """The sibling rule on one pass, in place: segments are the head (positions < `head`, sharing a global batch with
+    the previous pass's units of records `before`), the whole batches, and the tail (the last, partial batch). Tail
+    first, then head, then the whole batches with a repeated record: a unit whose record is already in its segment
+    swaps with a unit of a whole batch that does not hold its record and whose record the segment does not hold, so
+    a swap never makes a new pair and never touches the tail or the head."""
+    n = len(order)
+    head = min(head, n)
+    whole = (n - head) // batch
+    tail = head + whole * batch
+    if whole == 0:
+        return                                  # nothing to swap with (fewer units than a global batch)
+    recs = unit_records[order]
+    width = int(recs.max()) + 1
+    keys = np.sort((np.arange(tail - head) // batch) * width + recs[head:tail])
+    repeated = np.unique(keys[1:][keys[1:] == keys[:-1]] // width).tolist()     # whole batches with a repeat
+    segments = [(tail, n, ()), (0, head, before.tolist())]
+    segments += [(head + b * batch, head + (b + 1) * batch, ()) for b in repeated]
+    for a, b, outside in segments:
+        if b - a < 2 and not len(outside):
             continue
-        i = rng.randrange(bufsize)
-        yield buf[i]
-        buf[i] = x
-    rng.shuffle(buf)
-    yield from buf
+        present = set(recs[a:b].tolist()) | set(outside)
+        seen = set(outside)
+        for p in range(a, b):
+            r = int(recs[p])
+            if r in seen:
+                q = _donor(recs, r, present, a, head, batch, whole)
+                if q is not None:
+                    order[p], order[q] = order[q], order[p]
+                    recs[p], recs[q] = recs[q], recs[p]
+                    present.add(int(recs[p]))
+            seen.add(int(recs[p]))
 
 
-def _shard_samples(url: str):
-    """The samples of one shard, read once from start to end (the one place the epoch streams open a shard)."""
-    import webdataset as wds
+def _donor(recs: np.ndarray, record: int, present: set, segment_start: int, head: int, batch: int,
+           whole: int) -> int | None:
+    """A position in a whole batch (searched from the one after the segment on, cyclically) that does not hold
+    `record` and whose record is not in `present`; None if there is none."""
+    first = max(0, (segment_start - head) // batch + 1) if segment_start >= head else 0
+    for k in range(whole):
+        b = (first + k) % whole
+        lo = head + b * batch
+        if lo <= segment_start < lo + batch:
+            continue
+        members = recs[lo:lo + batch]
+        if record in members:
+            continue
+        for q in range(lo, lo + batch):
+            if int(recs[q]) not in present:
+                return q
+    return None
 
-    return wds.tarfile_to_samples()(iter([{"url": url}]))
+
+@dataclass
+class ValidationSchedule:
+    """Validation: one pass over the units in index order; rank r reads every world-th unit, in micro-batches that
+    may end partial; worker w of W every W-th of them."""
+
+    units: int
+    micro_batch: int
+    world_size: int = 1
+
+    def epoch_length(self, epoch: int, rank: int = 0) -> int:
+        return math.ceil(len(range(rank, self.units, self.world_size)) / self.micro_batch)
+
+    def micro_batches(self, epoch: int, start: int, worker: int = 0, workers: int = 1, rank: int = 0) -> range:
+        return range(start + worker, self.epoch_length(epoch, rank), workers)
+
+    def batch_positions(self, micro: int, rank: int) -> np.ndarray:
+        mine = len(range(rank, self.units, self.world_size))
+        return np.arange(micro * self.micro_batch, min((micro + 1) * self.micro_batch, mine)) * self.world_size + rank
+
+    def units_at(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(positions, dtype=np.int64)
+
+    def candidates(self, position: int) -> Iterator[int]:
+        yield int(position)
 
 
-def _unit_shuffle(records, bufsize: int, rng: random.Random, batch_size: int, units_of):
-    """epoch_unit "method" in one read: a shuffle buffer of records, each holding its units in a seeded order
-    (`units_of(key, rec)`); every draw takes a random record's next unit, and a record leaves the buffer (its
-    slot refilled from the stream) when its units are spent. So every unit of every record comes once, the
-    shards are read once, and memory is one buffer of records, as for image epochs. A draw avoids records
-    already in the current batch when the buffer holds another (no sibling captions as false negatives)."""
-    stream = iter(records)
-    buf: list[list] = []
-
-    def refill():
-        while len(buf) < bufsize:
-            item = next(stream, None)
-            if item is None:
-                return
-            key, jpg, rec = item
-            units = list(units_of(key, rec))
-            if units:                               # none: every unit outside the epoch sample
-                buf.append([key, jpg, rec, units])
-
-    refill()
-    in_batch: set[str] = set()
-    emitted = 0
-    while buf:
-        i = rng.randrange(len(buf))
-        for j in range(len(buf)):                       # first record from i on that is not in this batch
-            if buf[(i + j) % len(buf)][0] not in in_batch:
-                i = (i + j) % len(buf)
-                break
-        key, jpg, rec, units = buf[i]
-        unit = units.pop(0)
-        yield key, jpg, rec, unit
-        in_batch.add(key)
-        emitted += 1
-        if emitted % batch_size == 0:
-            in_batch.clear()
-        if not units:
-            buf[i] = buf[-1]
-            buf.pop()
-            refill()
+# ------------------------------------------------------------------------------------------ 6. examples
+@dataclass(frozen=True)
+class StreamConfig:
+    method: Any
+    ctx: Any                    # ExampleContext
+    seed: int
+    rank: int
+    train: bool
 
 
 class _EpochStream(IterableDataset):
-    """One epoch of one rank: yields {"batch": collated, "stats": {...}} per batch from each worker."""
+    """One epoch of one rank: yields {"batch": collated, "stats": {...}} per micro-batch from each worker."""
 
-    def __init__(self, cfg: dict, batches_per_worker: int | None):
+    def __init__(self, cfg: StreamConfig, schedule: Schedule | ValidationSchedule, units: UnitTable):
         super().__init__()
         import multiprocessing as mp
 
-        self.cfg, self.batches_per_worker = cfg, batches_per_worker
-        self.shared_epoch, self.shared_skip = mp.Value("q", 0), mp.Value("q", 0)   # set by ShardLoader.batches
+        self.cfg, self.schedule, self.units = cfg, schedule, units
+        self.shared_epoch, self.shared_start = mp.Value("q", 0), mp.Value("q", 0)   # set by ShardLoader.batches
 
-    def _pass_shards(self, p: int, reader: int, readers: int) -> list[tuple[str, int, int]]:
-        order = list(self.cfg["paths"])
-        if self.cfg["train"]:
-            _seeded(self.cfg["seed"], self.epoch, "shards", p).shuffle(order)
-            return reader_shards(order, reader, readers)
-        return [(u, 0, 1) for u in order[reader::readers]]     # validation: each shard whole, by one reader
+    def __iter__(self) -> Iterator[dict]:
+        epoch, start = int(self.shared_epoch.value), int(self.shared_start.value)
+        worker, workers = _worker()
+        for micro in self.schedule.micro_batches(epoch, start, worker, workers, rank=self.cfg.rank):
+            batch = self._batch(self.schedule.batch_positions(micro, self.cfg.rank))
+            if batch is not None:
+                yield batch
 
-    def __iter__(self):
-        cfg = self.cfg
-        method, ctx, bs, train = cfg["method"], cfg["ctx"], cfg["batch_size"], cfg["train"]
-        self.epoch, self.skip_batches = int(self.shared_epoch.value), int(self.shared_skip.value)
-        rank, world = cfg["rank"], cfg["world_size"]
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        reader, readers = rank + world * worker, world * workers
-        in_worker = torch.utils.data.get_worker_info() is not None     # never touch the main process's RNG
+    def _batch(self, positions: np.ndarray) -> dict | None:
+        """The collated examples at `positions` with their counts; None for a validation batch of corrupt images."""
         stats: Counter = Counter()
-        misses, seen = 0, set()
+        examples = [e for e in (self._example(int(p), stats) for p in positions) if e is not None]
+        stats["examples"] += len(examples)
+        return {"batch": default_collate(examples), "stats": dict(stats)} if examples else None
 
-        unit_mode, subset = cfg["unit_mode"], cfg.get("subset")
+    def _example(self, position: int, stats: Counter) -> dict | None:
+        found = self._decoded(position, stats)
+        if found is None:
+            return None
+        record, image = found
+        rng = random.Random(f"{self.cfg.seed}:{position}")
+        # torch draws (random augmentations) become a function of the position too; the CPU generator only:
+        # torch.manual_seed also queues lazy CUDA/XPU/MPS seeding, each with a traceback.format_stack() (~0.1 ms per
+        # call, half a worker's CPU on small images)
+        torch_seed = rng.getrandbits(63)
+        if torch.utils.data.get_worker_info() is not None:
+            torch.default_generator.manual_seed(torch_seed)
+            return self.cfg.method.make_example(record, image, rng, self.cfg.ctx)
+        with torch.random.fork_rng(devices=[]):                 # the main process's own RNG is left as it was
+            torch.default_generator.manual_seed(torch_seed)
+            return self.cfg.method.make_example(record, image, rng, self.cfg.ctx)
 
-        def count_repeat(key):
-            if key in seen:
-                stats["samples_repeated"] += 1
-            seen.add(key)
-
-        samples_in_share = 0
-
-        def read(shards):
-            nonlocal samples_in_share
-            for url, part, parts in shards:
-                for i, sample in enumerate(_shard_samples(url)):
-                    if i % parts == part:
-                        samples_in_share += 1
-                        yield sample
-
-        def wanted(raw):
-            nonlocal misses
-            for s in raw:
-                rec, key = json.loads(s["json"]), s["__key__"]
-                stats["samples_read"] += 1
-                if not unit_mode:
-                    count_repeat(key)
-                if not method.wants(rec):
-                    stats["dropped_by_method"] += 1
-                    misses += 1
-                    if misses > cfg["max_misses"]:
-                        raise RuntimeError(f"rank {rank} worker {worker}: no sample wanted by method "
-                                           f"{method.name!r} in {misses} consecutive samples")
-                    continue
-                misses = 0
-                if subset is not None and not unit_mode and key not in subset:
-                    stats["outside_epoch_sample"] += 1
-                    continue
-                yield key, s["jpg"], rec
-
-        def units_of(key, rec, p):
-            """The record's units in this pass's seeded order, those outside the epoch sample left out (counted)."""
-            n_units = method.units(rec)
-            units = _seeded(cfg["seed"], self.epoch, key, p, "units").sample(range(n_units), n_units)
-            if subset is None:
-                return units
-            kept = [u for u in units if f"{key}#{u}" in subset]
-            stats["outside_epoch_sample"] += n_units - len(kept)
-            return kept
-
-        def passes():
-            # pass after pass over the shards (train); each pass is shuffled on its own, so an epoch
-            # sees every sample of this worker's shards before any repeat
-            p = 0
-            while True:
-                stream = wanted(read(self._pass_shards(p, reader, readers)))
-                buffer_rng = _seeded(cfg["seed"], self.epoch, rank, worker, p, "buf")
-                if unit_mode:           # epoch_unit "method": every unit of every record in one read (pass)
-                    for key, jpg, rec, unit in _unit_shuffle(stream, cfg["shuffle_buffer"], buffer_rng, bs,
-                                                             lambda key, rec, p=p: units_of(key, rec, p)):
-                        count_repeat(f"{key}#{unit}")
-                        yield f"{key}#{unit}", jpg, method.unit_record(rec, unit)
-                elif train:
-                    yield from _buffer_shuffle(stream, cfg["shuffle_buffer"], buffer_rng)
-                else:
-                    yield from stream
-                if not train:
-                    return
-                if samples_in_share == 0:
-                    raise RuntimeError(f"rank {rank} worker {worker}: its share of the shards holds no sample "
-                                       f"({len(cfg['paths'])} shards for {readers} readers)")
-                p += 1
-
-        to_skip, n, batch, produced = self.skip_batches * bs, 0, [], self.skip_batches
-        if self.batches_per_worker is not None and produced >= self.batches_per_worker:
-            return
-        stream = passes()
-        for key, jpg, rec in stream:
-            n += 1
-            if n <= to_skip:
-                continue
+    def _decoded(self, position: int, stats: Counter):
+        """(record, decoded image) of the unit at `position`; a corrupt image is a counted skip, replaced in training
+        by the next unit of the pass that decodes (a counted repeat); None in validation."""
+        for n, unit in enumerate(self.schedule.candidates(position)):
+            key, record, jpg, shard = self.units.read(unit)
             try:
-                image = read_image(jpg, path=f"shard sample {key}", record=key)
+                image = read_image(jpg, path=f"{shard} sample {key}", record=key)
             except InputError as e:
                 stats["corrupt_images_skipped"] += 1
-                log.warning("skipping sample %s: corrupt image (%s)", key, e)
+                log.warning("skipping sample %s of %s: corrupt image (%s)", key, shard, e)
+                if not self.cfg.train:
+                    return None
                 continue
-            rng = _seeded(cfg["seed"], self.epoch, rank, worker, n)
-            if in_worker:   # torch draws (random augmentations) become a function of the sample's position too
-                # the CPU generator only: torch.manual_seed also queues lazy CUDA/XPU/MPS seeding, each with a
-                # traceback.format_stack() (~0.1 ms per call, half a worker's CPU on small images); a loader
-                # worker draws from the CPU generator alone, whose state is the same either way
-                torch.default_generator.manual_seed(rng.getrandbits(63))
-            batch.append(method.make_example(rec, image, rng, ctx))
-            if len(batch) == bs:
-                yield {"batch": default_collate(batch), "stats": dict(stats)}
-                stats.clear()
-                batch, produced = [], produced + 1
-                if self.batches_per_worker is not None and produced >= self.batches_per_worker:
-                    return
-        if batch and not train:
-            yield {"batch": default_collate(batch), "stats": dict(stats)}
+            if n:
+                stats["units_repeated"] += 1
+            return record, image
+        raise InputError(self.units.store.paths[0], None, "no image of this epoch's units decodes")
 
 
+def _worker() -> tuple[int, int]:
+    info = torch.utils.data.get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+# ------------------------------------------------------------------------------------------ the loader
 class ShardLoader:
-    """Batches of one method from `<shards_dir>/<split>-*.tar`, one epoch at a time.
+    """Batches of one method from `<shards_dir>/<split>-*.tar` through the shard index, one epoch at a time.
 
-    A `train.loop.BatchSource`: `len(loader)` batches per epoch on this rank, `loader.batches(epoch, start)`.
+    A `train.loop.BatchSource`: `loader.epoch_length(epoch)` micro-batches of `batch_size` on this rank,
+    `loader.batches(epoch, start)`. `batch_size` is the rank's micro-batch; the global batch (one optimiser step) is
+    batch_size x world_size x accum_steps, which must be the trainer's.
     """
 
     def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
-                 seed: int = 0, num_workers: int = 0, shuffle_buffer: int = 1000, train: bool = True,
-                 epoch_unit: str = "image", epoch_samples: int = 0, rank: int | None = None,
-                 world_size: int | None = None):
+                 seed: int = 0, num_workers: int = 0, train: bool = True, epoch_unit: str = "image",
+                 epoch_samples: int = 0, rank: int | None = None, world_size: int | None = None,
+                 accum_steps: int = 1):
         import webdataset as wds
 
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+        if batch_size < 1 or accum_steps < 1:
+            raise ValueError(f"batch_size and accum_steps must be >= 1, got {batch_size}, {accum_steps}")
         if epoch_unit not in ("image", "method"):
             raise ValueError(f"epoch_unit must be 'image' or 'method', got {epoch_unit!r}")
         if epoch_unit == "method" and not train:
             raise ValueError("epoch_unit 'method' is for training loaders (validation is one pass over the images)")
-        self.paths = shard_paths(shards_dir, split, method)
-        self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
-        self.num_workers, self.train = num_workers, train
+        if epoch_samples < 0 or epoch_samples and not train:
+            raise ValueError(f"epoch_samples must be >= 0 and only for training loaders, got {epoch_samples}")
         env_rank, env_world, _, _ = wds.utils.pytorch_worker_info()   # env RANK/WORLD_SIZE or torch.distributed
         self.rank = env_rank if rank is None else rank
         self.world_size = env_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
+        self.num_workers, self.train, self.accum_steps = num_workers, train, accum_steps
         self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
-        counts = count_shards(self.paths, method, units=self.epoch_unit != "image")   # one read for both counts
-        totals, wanted = counts["totals"], counts["wanted"]
-        self.num_samples, self.num_wanted = sum(totals), sum(wanted)
-        self.shard_wanted = dict(zip(self.paths, wanted))
-        if self.num_wanted == 0:
-            raise InputError(shards_dir, split, f"method {method.name!r} wants none of the {self.num_samples} samples")
-        log.info("method %s wants %d of %d %s samples (%d dropped by its filter)", method.name,
-                 self.num_wanted, self.num_samples, split, self.num_samples - self.num_wanted)
-        self.num_units = self.num_wanted
-        if self.epoch_unit != "image":
-            self.num_units, unit_passes = sum(counts["units"]), counts["most_units"]
-            log.info("epoch unit %s: %d units in the %d wanted samples (up to %d in one)", self.epoch_unit,
-                     self.num_units, self.num_wanted, unit_passes)
-        subset = None
-        if epoch_samples < 0 or epoch_samples and not train:
-            raise ValueError(f"epoch_samples must be >= 0 and only for training loaders, got {epoch_samples}")
-        if 0 < epoch_samples < self.num_units:
-            subset = sample_units(self.paths, method, epoch_samples, seed, per_unit=self.epoch_unit != "image")
-            log.info("epoch sample: a fixed seeded %d of the %d %s units, every epoch", epoch_samples,
-                     self.num_units, self.epoch_unit)
-            self.num_units = epoch_samples
-        w = max(1, num_workers)
+        units = UnitTable(shards_dir, split, method, per_unit=self.epoch_unit != "image",
+                          epoch_samples=epoch_samples, seed=seed)
+        self.paths = units.store.paths
+        self.num_samples, self.num_wanted = units.num_samples, units.num_wanted
+        self.dropped_by_method, self.num_units = units.num_samples - units.num_wanted, len(units)
+        log.info("method %s wants %d of %d %s samples (%d dropped by its filter); epoch unit %s: %d units%s",
+                 method.name, self.num_wanted, self.num_samples, split, self.dropped_by_method, self.epoch_unit,
+                 self.num_units, f" (a fixed seeded sample of {units.all_units})" if len(units) < units.all_units
+                 else "")
         if train:
-            nb = math.ceil(self.num_units / (batch_size * self.world_size))
-            self.batches_per_epoch = math.ceil(nb / w) * w
+            self.schedule = Schedule(len(units), batch_size, self.world_size, accum_steps, seed, units.records)
         else:
-            self.batches_per_epoch = self._eval_batches(w)
+            self.schedule = ValidationSchedule(len(units), batch_size, self.world_size)
         self.stats: Counter = Counter()
         self._loader = None
-        cfg = {"paths": self.paths, "seed": seed, "train": train, "method": method, "ctx": ctx,
-                     "batch_size": batch_size, "shuffle_buffer": shuffle_buffer,
-                     "max_misses": 2 * self.num_samples + 1, "unit_mode": self.epoch_unit != "image",
-                     "rank": self.rank, "world_size": self.world_size,
-                     **({"subset": subset} if subset is not None else {})}
-        self._stream = _EpochStream(cfg, self.batches_per_epoch // w if train else None)
+        self._stream = _EpochStream(StreamConfig(method, ctx, seed, self.rank, train), self.schedule, units)
 
-    def _eval_batches(self, w: int) -> int:
-        readers = self.world_size * w
-        return sum(math.ceil(sum(self.shard_wanted[p] for p in self.paths[self.rank + self.world_size * i::readers])
-                             / self.batch_size) for i in range(w))
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size * self.accum_steps
 
-    def __len__(self) -> int:
-        return self.batches_per_epoch
+    def epoch_length(self, epoch: int) -> int:
+        """Micro-batches of `epoch` on this rank (training: the same on every rank)."""
+        return self.schedule.epoch_length(epoch, self.rank)
+
+    def steps(self, epochs: int) -> int:
+        """Optimiser steps of a run of `epochs` epochs (training)."""
+        return self.schedule.steps(epochs)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-        """The batches of `epoch` from index `start` on (resume), each a default-collated dict."""
-        start_batch = start
-        if not 0 <= start_batch <= self.batches_per_epoch:
-            raise ValueError(f"start_batch {start_batch} outside 0..{self.batches_per_epoch}")
-        if start_batch and not self.train:
-            raise ValueError("resume (start_batch > 0) is for training loaders")
-        w = max(1, self.num_workers)
-        k0 = start_batch // w * w
-        self._stream.shared_epoch.value, self._stream.shared_skip.value = epoch, k0 // w
+        """The micro-batches of `epoch` from index `start` on (resume), each a default-collated dict."""
+        if not 0 <= start <= self.epoch_length(epoch):
+            raise ValueError(f"start {start} outside 0..{self.epoch_length(epoch)} (micro-batches of epoch {epoch})")
+        if start and not self.train:
+            raise ValueError("resume (start > 0) is for training loaders")
+        self._stream.shared_epoch.value, self._stream.shared_start.value = epoch, start
         if self.num_workers > 0:
             if self._loader is None:
                 # a private generator: the DataLoader's worker seeds never consume the global torch RNG
@@ -480,10 +603,55 @@ class ShardLoader:
         else:
             it = iter(self._stream)
         before = Counter(self.stats)
-        for i, item in enumerate(it, start=k0):
+        for item in it:
             self.stats.update(item["stats"])
-            if i >= start_batch:
-                self.stats["batches"] += 1
-                yield item["batch"]
+            self.stats["batches"] += 1
+            yield item["batch"]
         delta = {k: v - before.get(k, 0) for k, v in self.stats.items() if v != before.get(k, 0)}
         log.info("epoch %d (%s, method %s): %s", epoch, "train" if self.train else "eval", self.method.name, delta)
+
+
+# ------------------------------------------------------------------------------------------ interface 2: plan
+def epoch_coverage(shards_dir: str | Path, split: str, method, *, global_batch: int, world_size: int,
+                   num_workers: int, epoch_unit: str = "image", epoch_samples: int = 0, accum_steps: int = 1,
+                   seed: int = 0, epochs: int = 1) -> dict:
+    """What `ShardLoader` would read over `epochs` epochs at `world_size` ranks x `num_workers` workers, computed from
+    the shard index without decoding an image, through the loader's own functions (`UnitTable`, `Schedule`).
+
+    Returns {"units": N, "global_batch", "readers", "steps_per_epoch": ceil(N / G) (an epoch has this many steps or
+    one fewer), "steps": optimiser steps of the `epochs` epochs, "seen" / "repeated": the fewest distinct units read
+    of a pass and the most units read twice in one (N and 0 by construction; this checks it), "extra": units read
+    beyond the epochs' passes (the last batch's fill, < G), "remainder": N mod G}. Corrupt images (replaced while
+    training) are not modelled."""
+    if global_batch % (world_size * accum_steps):
+        raise ValueError(f"global batch {global_batch} does not split into {world_size} ranks x {accum_steps} "
+                         f"accumulation steps")
+    per_unit = epoch_unit == "method" and method.epoch_unit != "image"
+    units = UnitTable(shards_dir, split, method, per_unit=per_unit, epoch_samples=epoch_samples, seed=seed)
+    schedule = Schedule(len(units), global_batch // (world_size * accum_steps), world_size, accum_steps, seed,
+                        units.records)
+    return {**coverage(schedule, max(1, num_workers), epochs), "unit": method.epoch_unit if per_unit else "image"}
+
+
+def coverage(schedule: Schedule, workers: int, epochs: int = 1) -> dict:
+    """Units seen and repeated per pass when every rank x worker of `schedule` reads its share of `epochs` epochs
+    (`Schedule.micro_batches` and `Schedule.positions`, as the loader's workers call them)."""
+    n = schedule.units
+    read = []
+    for epoch in range(epochs):
+        for rank in range(schedule.world_size):
+            for worker in range(workers):
+                micro = np.fromiter(schedule.micro_batches(epoch, 0, worker, workers), dtype=np.int64)
+                read.append(schedule.positions(micro, rank).ravel())
+    positions = np.concatenate(read)
+    passes = positions // n
+    seen, repeated = [], []
+    for p in range(epochs):
+        units = schedule.units_at(positions[passes == p])
+        distinct = len(np.unique(units))
+        seen.append(distinct)
+        repeated.append(len(units) - distinct)
+    return {"units": n, "global_batch": schedule.global_batch, "readers": schedule.world_size * workers,
+            "steps_per_epoch": -(-n // schedule.global_batch), "steps": schedule.steps(epochs),
+            "seen": min(seen), "repeated": max(repeated), "extra": int((passes >= epochs).sum()),
+            "remainder": n % schedule.global_batch}

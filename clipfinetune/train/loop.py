@@ -6,7 +6,8 @@ step, what to do after it); the loop calls them without asking which method it t
 
 - Data: a `BatchSource` yields the rank's micro-batches of an epoch, deterministically in (seed, epoch), starting
   at a given micro-batch position (resume). It must not consume the global RNGs (pass DataLoader a generator).
-  An epoch is `len(source) // accum_steps` optimiser steps; a trailing partial group of micro-batches is dropped.
+  Epoch e is `source.epoch_length(e) // accum_steps` optimiser steps (epochs may differ: the shard loader cuts
+  one stream of passes into global batches, data/loader.py); a trailing partial group of micro-batches is dropped.
 - Gradient accumulation is open_clip's feature cache (ECOSYSTEM.md 1.7): a no-grad pass computes every
   micro-batch's features; then each micro-batch is recomputed with grad, substituted into the cached set, and the
   loss of the WHOLE step's batch is back-propagated. The summed gradients equal one step on the full batch (in-batch
@@ -61,7 +62,7 @@ COMPILE_BACKEND = "inductor"
 
 
 class BatchSource(Protocol):
-    def __len__(self) -> int: ...                                      # micro-batches per epoch on this rank
+    def epoch_length(self, epoch: int) -> int: ...                       # micro-batches of `epoch` on this rank
     def batches(self, epoch: int, start: int = 0) -> Iterator[dict]: ...  # from micro-batch `start` of `epoch`
 
 
@@ -85,11 +86,12 @@ class Trainer:
 
         self.module = method.build(model).to(self.device)
         self.loss_fn = method.loss().to(self.device)
-        self.steps_per_epoch = len(source) // cfg.accum_steps
-        if self.steps_per_epoch < 1:
-            raise ValueError(f"{desc}: the data gives {len(source)} micro-batches per epoch on this rank, fewer "
-                             f"than accum_steps={cfg.accum_steps}: nothing to train on")
-        self.total_steps = cfg.epochs * self.steps_per_epoch
+        # steps per epoch (an epoch may have none: a pass smaller than a global batch ends inside the previous one)
+        self.epoch_steps = [source.epoch_length(e) // cfg.accum_steps for e in range(cfg.epochs)]
+        self.total_steps = sum(self.epoch_steps)
+        if self.total_steps < 1:
+            raise ValueError(f"{desc}: the data gives {source.epoch_length(0)} micro-batches per epoch on this rank, "
+                             f"fewer than accum_steps={cfg.accum_steps}: nothing to train on")
         groups = parameter_groups(self.module, cfg.lr, cfg.wd, method.param_groups(self.module),
                                   no_decay=method.no_weight_decay)
         self.params = [p for g in groups for p in g["params"]]
@@ -124,10 +126,10 @@ class Trainer:
         self.module.train()
         pending, block_start = [], time.perf_counter()
         while self.step < self.total_steps:
-            epoch, done = divmod(self.step, self.steps_per_epoch)
+            epoch, done = self.epoch_position(self.step)
             batches = iter(self.source.batches(epoch, start=done * accum))
             tick = time.perf_counter()
-            for _ in range(done, self.steps_per_epoch):
+            for _ in range(done, self.epoch_steps[epoch]):
                 micro = [self._to_device(self._next(batches, epoch)) for _ in range(accum)]
                 data_s = time.perf_counter() - tick
                 lrs = self.learning_rates()                    # this step's, before the schedule moves on
@@ -245,14 +247,22 @@ class Trainer:
             return next(batches)
         except StopIteration:
             raise RuntimeError(f"{self.desc}: the data source ended early in epoch {epoch}: it promised "
-                               f"{len(self.source)} micro-batches per epoch") from None
+                               f"{self.source.epoch_length(epoch)} micro-batches") from None
+
+    def epoch_position(self, step: int) -> tuple[int, int]:
+        """(epoch, optimiser steps done in it) at optimiser step `step`."""
+        for epoch, n in enumerate(self.epoch_steps):
+            if step < n:
+                return epoch, step
+            step -= n
+        return len(self.epoch_steps), step
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
-        return {"fingerprint": self.fingerprint, "step": self.step,
-                "epoch": self.step // self.steps_per_epoch,
-                "position": (self.step % self.steps_per_epoch) * self.cfg.accum_steps,
-                "steps_per_epoch": self.steps_per_epoch, "world_size": self.dist.world_size,
+        epoch, done = self.epoch_position(self.step)
+        return {"fingerprint": self.fingerprint, "step": self.step, "epoch": epoch,
+                "position": done * self.cfg.accum_steps,
+                "epoch_steps": self.epoch_steps, "world_size": self.dist.world_size,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "method": self.method.state_dict(),
                 "config": self.cfg.as_dict(),
@@ -280,8 +290,8 @@ class Trainer:
         if path is None or not path.exists():
             return False
         ckpt = ckpt_io.load_checkpoint(path)
-        mismatch = [k for k in ("fingerprint", "steps_per_epoch", "world_size")
-                    if ckpt.get(k) != {"fingerprint": self.fingerprint, "steps_per_epoch": self.steps_per_epoch,
+        mismatch = [k for k in ("fingerprint", "epoch_steps", "world_size")
+                    if ckpt.get(k) != {"fingerprint": self.fingerprint, "epoch_steps": self.epoch_steps,
                                        "world_size": self.dist.world_size}[k]]
         if mismatch:
             log.warning("%s: checkpoint %s belongs to a different run (%s differ): training from scratch; "

@@ -119,6 +119,9 @@ class CaptionPairSource:
     def __len__(self) -> int:
         return len(self.image_ids) // (self.batch_size * self.world_size)
 
+    def epoch_length(self, epoch: int) -> int:           # loop.BatchSource: every epoch the same
+        return len(self)
+
     def _order(self, epoch: int, g: torch.Generator) -> torch.Tensor:
         """The epoch's image order: len(self) global batches one after another. With a group share, batch b opens
         with `share * step` images of one group (each group's images in a shuffled cycle), then the epoch's shuffle

@@ -86,7 +86,7 @@ def test_the_mulclip_terms_probe_follows_every_step_of_the_run(dag):
     data = json.loads((repo / "dvclive" / "train" / "mulclip" / "data.json").read_text())
     epochs = yaml.safe_load((repo / "params.yaml").read_text())["train"]["epochs"]
     res = mulclip_terms.main(["--root", str(repo)])
-    assert res["steps"] == len(res["records"]) == epochs * data["batches_per_epoch"]
+    assert res["steps"] == len(res["records"]) == data["steps"] == -(-epochs * data["units"] // data["global_batch"])
     for r in res["records"]:
         assert set(r["grad_norm"]) == {"global", "word", "sub"} and all(v > 0 for v in r["grad_norm"].values())
         assert all(-1 <= c <= 1 for c in r["cos_with_global"].values()) and 0 < r["global_kept"] < 10

@@ -18,12 +18,12 @@ from faults.conftest import ENV, PY, Project, run_stage, tiny_project  # noqa: F
 TRAIN_INPUTS = ["data/shards", "models/base"]
 STAGE, CMD = "train@clip", ["stages/train.py", "--run", "clip", "--method", "clip", "--stage", "train@clip"]
 METRICS = "dvclive/train/clip/plots/metrics"
-# A rank reads only its own shards (data/loader.py), so a 2-rank global batch holds other samples than the 1-rank
-# batch of the same step: the weights and hence the losses drift apart by batch composition alone. Measured on this
-# tiny run (global batch 4, 2 epochs x 2 steps): 1 rank 1.410 1.396 1.395 1.384, 2 ranks 1.401 1.425 1.415 1.391, at
-# most 2.1% apart. The losses sit near chance, ln(batch) = ln 4 = 1.386, so a rank-count bug in the batch (each
-# rank taking the global batch: ln 8) moves them by ~50%, and a wrong step count or schedule fails the exact checks.
-LOSS_RTOL = 0.10
+# Each rank takes its slice of the same global batch (data/loader.py), so the 2-rank run computes the 1-rank run's
+# steps up to the order of float reductions (the gradient all-reduce, the gathered features): the losses agree to
+# float precision, far inside this tolerance. A rank-count bug in the batch (other samples per step, or each rank
+# taking the global batch: ln 8 instead of ln 4 near chance) moves them by percent, and a wrong step count or
+# schedule fails the exact checks.
+LOSS_RTOL = 1e-3
 
 
 def curve(proj: Project, name: str) -> dict[int, float]:

@@ -11,15 +11,17 @@ as they are. Decisions:
   records have `captions: []` (DOCCI has no short captions; the summary is `sentences[0]`). A record with
   neither is skipped and counted (`<source>_empty_long_caption_skipped`).
 - Shards per source: `<split>-<source>-%06d.tar` (one flat folder, so open_clip's sizes.json still names
-  every shard), so a method that wants only some sources' records reads only their shards. `index.json`
-  says, per split and source, its shards and, per *field signature* (which of the fields FIELDS are
-  non-empty), the count and one example record: the loader evaluates a method's `wants` on the examples
-  to pick the sources (`wants` looks at fields, never at `source`). Within a source, samples are ordered by
-  SHA-1 of the key. Split: a sample is `val` iff the first 8 hex digits of SHA-1(key) / 2^32 <
+  every shard), so a method that wants only some sources' records reads only their shards.
+- `index.json` (`index_shards`, read back from the tars once they are written, inside the stage's atomic
+  folder): per split and source, its shards; per *field signature* (which of the fields FIELDS are
+  non-empty) the count and one example record, on which the loader evaluates a method's `wants` to pick the
+  sources (`wants` looks at fields, never at `source`); and the record table: per record its key, shard and
+  each member's byte offset and size, so a reader reads any one record by offset (as webdataset's wids does)
+  and an epoch can hand any unit to any rank and worker. Hand-made shards get theirs with `write_index`.
+- Within a source, samples are ordered by SHA-1 of the key. Split: a sample is `val` iff the first 8 hex digits of SHA-1(key) / 2^32 <
   `val_fraction` (fixed per image, independent of the rest).
-- Shard size: `maxcount` samples. Rule (README): at real scale pick maxcount so that each source the
-  smallest method reads has several shards per reader (ranks x loader workers); the loader itself works at
-  any count (it splits samples, not only shards, across readers when shards are fewer than readers).
+- Shard size: `maxcount` samples. The loader reads records by offset, so coverage does not depend on it; a few
+  hundred MB to a few GB per shard keeps the file count small (open_clip_train reads whole shards per worker).
 - Every annotation row is checked against the sample before it is attached: a word region or negative
   whose caption text differs from `captions[caption_index]`, or a local pair whose sentence index is out
   of range, is dropped and counted (stale intermediates), never attached to the wrong text.
@@ -35,6 +37,7 @@ import hashlib
 import json
 import os
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,6 +47,7 @@ from clipfinetune.io import ImageTooLarge, InputError, checked_image_size
 
 SPLITS = ("train", "val")
 FIELDS = ("captions", "long_caption", "word_regions", "sentences", "local_pair", "negatives")   # index.json signatures
+INDEX = "index.json"
 REQUIRED = {
     "word_regions": ["image_id", "caption_index", "caption", "word", "char_start", "char_end", "category",
                      "x0", "y0", "x1", "y1"],
@@ -193,9 +197,8 @@ def open_clip_pattern(shard_paths: list[str]) -> str:
 
 
 def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: int, val_fraction: float,
-                 counts: Counter) -> tuple[dict, dict]:
-    """Write {train,val}-<source>-%06d.tar into out_dir; returns ({split: {shard name: count}}, index), index =
-    {split: {source: {"shards": [names], "samples": n, "signatures": [{"fields", "samples", "example"}]}}}."""
+                 counts: Counter) -> dict:
+    """Write {train,val}-<source>-%06d.tar into out_dir; returns {split: {shard name: count}} (sizes.json)."""
     import webdataset as wds
 
     out_dir = Path(out_dir)
@@ -205,8 +208,6 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
         dup = next(k for k, n in Counter(keys).items() if n > 1)
         raise InputError(out_dir, dup, "two samples share a key")
     sizes: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
-    index: dict[str, dict[str, dict]] = {s: {} for s in SPLITS}
-    signatures: dict[tuple, dict] = {}
     writers: dict[tuple[str, str], object] = {}
 
     def writer(split: str, source: str):
@@ -240,16 +241,6 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
                      "json": json.dumps(meta, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()})
             name = Path(w.fname).name
             sizes[split][name] = sizes[split].get(name, 0) + 1
-            entry = index[split].setdefault(source, {"shards": [], "samples": 0, "signatures": []})
-            if not entry["shards"] or entry["shards"][-1] != name:
-                entry["shards"].append(name)
-            entry["samples"] += 1
-            fields = [f for f in FIELDS if meta.get(f)]
-            sig = signatures.setdefault((split, source, tuple(fields)), {"fields": fields, "samples": 0,
-                                                                         "example": meta})
-            if sig["samples"] == 0:
-                entry["signatures"].append(sig)
-            sig["samples"] += 1
             counts[f"samples_{split}"] += 1
             counts[f"samples_{split}_{meta['source']}"] += 1
             for field in ("word_regions", "sentences", "local_pair", "negatives"):
@@ -262,7 +253,86 @@ def write_shards(records: list[dict], out_dir: str | os.PathLike, *, maxcount: i
         for p in out_dir.glob(f"{s}-*.tar"):
             if p.name not in sizes[s]:
                 p.unlink()
-    return sizes, index
+    return sizes
+
+
+def _shard_samples(path: Path) -> Iterator[tuple[str, dict[str, tuple[int, int]], bytes | None]]:
+    """(key, {member extension: (data offset, size)}, json member bytes) of each sample of one tar, in order; only
+    the json members are read (the images are seeked over). Keys follow WebDataset: the member name up to the first
+    dot of its base name."""
+    import tarfile
+
+    key, members, meta = None, {}, None
+    with tarfile.open(path) as tf:
+        for m in tf:
+            if not m.isfile():
+                continue
+            base = m.name.rsplit("/", 1)[-1]
+            if base.startswith("__") or "." not in base:
+                continue                                    # WebDataset's metadata members / no extension
+            stem, ext = m.name[:len(m.name) - len(base)] + base.split(".", 1)[0], base.split(".", 1)[1].lower()
+            if stem != key:
+                if key is not None:
+                    yield key, members, meta
+                key, members, meta = stem, {}, None
+            if ext in members:
+                raise InputError(path, key, f"two .{ext} members in one sample")
+            members[ext] = (m.offset_data, m.size)
+            if ext == "json":
+                meta = tf.extractfile(m).read()
+    if key is not None:
+        yield key, members, meta
+
+
+def index_shards(out_dir: str | os.PathLike) -> dict:
+    """The shard index (`index.json`) of the tars in `out_dir`, read back from them as written: {split: {source:
+    {"shards": [names], "samples": n, "signatures": [{"fields", "samples", "example"}], "records": {"keys": [...],
+    "shard": [position in "shards"], "offset": {member: [...]}, "size": {member: [...]}}}}}. A record's members
+    (jpg, json, txt) are read by offset and size (`clipfinetune.data.loader.RecordStore`), as webdataset's wids does.
+    A sample without a json or jpg member, or whose json has no `source`, is an error naming the shard and key."""
+    out_dir = Path(out_dir)
+    index: dict[str, dict[str, dict]] = {s: {} for s in SPLITS}
+    for split in SPLITS:
+        signatures: dict[tuple, dict] = {}
+        for path in sorted(out_dir.glob(f"{split}-*.tar")):
+            for key, members, raw in _shard_samples(path):
+                if raw is None or "jpg" not in members:
+                    raise InputError(path, key, f"a sample needs .jpg and .json members, found {sorted(members)}")
+                meta = json.loads(raw)
+                if not meta.get("source"):
+                    raise InputError(path, key, "the sample's json has no `source`")
+                entry = index[split].setdefault(meta["source"], {
+                    "shards": [], "samples": 0, "signatures": [],
+                    "records": {"keys": [], "shard": [], "offset": {m: [] for m in members},
+                                "size": {m: [] for m in members}}})
+                table = entry["records"]
+                if set(members) != set(table["offset"]):
+                    raise InputError(path, key, f"members {sorted(members)} differ from the source's first sample's "
+                                                f"{sorted(table['offset'])}")
+                if not entry["shards"] or entry["shards"][-1] != path.name:
+                    entry["shards"].append(path.name)
+                entry["samples"] += 1
+                table["keys"].append(key)
+                table["shard"].append(len(entry["shards"]) - 1)
+                for m, (offset, size) in members.items():
+                    table["offset"][m].append(offset)
+                    table["size"][m].append(size)
+                fields = [f for f in FIELDS if meta.get(f)]
+                sig = signatures.setdefault((meta["source"], tuple(fields)), {"fields": fields, "samples": 0,
+                                                                              "example": meta})
+                if sig["samples"] == 0:
+                    entry["signatures"].append(sig)
+                sig["samples"] += 1
+    return index
+
+
+def write_index(out_dir: str | os.PathLike) -> dict:
+    """`index_shards(out_dir)` written to `out_dir/index.json` (atomically, compact: it lists every record)."""
+    from clipfinetune.io import write_json
+
+    index = index_shards(out_dir)
+    write_json(Path(out_dir) / INDEX, index, indent=None)
+    return index
 
 
 def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike, sources: dict[str, dict],
@@ -293,7 +363,7 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
         sum(len(v) for v in notes.negatives.values()) - notes.negatives_matched
     with atomic_path(out_dir, is_dir=True) as tmp:
         os.chmod(tmp, 0o755)        # mkdtemp's 0700 would make the shards private to this user
-        sizes, index = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
+        sizes = write_shards(records, tmp, maxcount=maxcount, val_fraction=val_fraction, counts=counts)
         for key in ("images_skipped_missing", "images_skipped_corrupt", "images_skipped_too_large",
                     "images_skipped_size_mismatch",
                     "samples_train", "samples_val", "word_regions_stale_dropped", "negatives_stale_dropped",
@@ -308,5 +378,5 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
                 **dict(sorted(counts.items()))}
         write_json(tmp / "sizes.json", {**sizes["train"], **sizes["val"]})
         write_json(tmp / "meta.json", meta)
-        write_json(tmp / "index.json", index)
+        write_index(tmp)
     return meta
