@@ -90,6 +90,12 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
         tmp.write_text(json.dumps(obj, indent=indent, sort_keys=True, default=_json_default) + "\n")
 
 
+def copy_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Replace folder `dst` by a copy of folder `src`, atomically (whole or absent, never half copied)."""
+    with atomic_path(dst, is_dir=True) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)

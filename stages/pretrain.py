@@ -20,7 +20,9 @@ weights themselves are not a DVC dependency (the param is): after changing a fil
 
 Resumable: checkpoints/pretrain/label_warmup/last.pt and checkpoints/pretrain/last.pt (gitignored, not DVC outs) carry
 a fingerprint of the declared params, the stage's inputs and code; a killed run re-run with the same fingerprint
-resumes (a finished warm-up restores its weights and is not run again), anything else starts over.
+resumes (a finished warm-up restores its weights and is not run again), anything else starts over. The curves grow
+beside them (checkpoints/pretrain/dvclive) and are copied to dvclive/pretrain/ at the end (not a persisted output,
+so DVC's run cache can restore the stage).
 Ranks: from scratch, as many as split `pretrain.batch_size` evenly (`compute.train_nproc`, stages/_common.py); with
 real weights one process whatever `compute` says (torchrun by hand works too: rank 0 exports, the others return).
 `pretrain.batch_size` is the GLOBAL batch, as `train.batch_size`, of both phases: each of the N ranks takes 1/N of
@@ -82,6 +84,7 @@ def main() -> None:
     label_steps, region_text_weight = int(settings["label_warmup_steps"]), float(settings["region_text_weight"])
     warmup_regions = bool(settings["label_warmup_regions"]) and label_steps > 0
     checkpoints = ROOT / "checkpoints" / "pretrain"
+    live_work = checkpoints / "dvclive"                  # survives a kill beside the checkpoints it resumes from
     with training_session({k: v for k, v in settings.items() if k not in OWN_KEYS}, precision,
                           compute_device(), batch_param="pretrain.batch_size", log=log) as session:
         dist, cfg = session.dist, session.cfg
@@ -109,11 +112,12 @@ def main() -> None:
             warmup = session.trainer(objective, model, batches, cfg=warmup_cfg,        # warm-up and wd, no clip
                                      checkpoint_dir=checkpoints / "label_warmup", fingerprint=fp,
                                      desc="label warm-up")
-            objective.final_model(session.fit(warmup, live_dir / "label_warmup"), model)   # the text tower thawed
+            objective.final_model(session.fit(warmup, live_work / "label_warmup"), model)   # the text tower thawed
         method = PretrainMethod(region_text_weight) if region_text_weight > 0 else ClipMethod()
         trainer = session.trainer(method, model, source, checkpoint_dir=checkpoints, fingerprint=fp, desc="pretrain")
-        session.fit(trainer, live_dir)
-        session.export(model, out, live_dir=live_dir, note="device.json", checkpoint_dir=checkpoints,
+        session.fit(trainer, live_work)
+        session.export(model, out, live_dir=live_work, note="device.json", publish_to=live_dir,
+                       checkpoint_dir=checkpoints,
                        keep_checkpoint=settings["keep_checkpoint"])
         log.info("exported %s", out)
         params.check_all_read()

@@ -1,4 +1,7 @@
-"""Stage `sample`: generate the embedded sample world (DESIGN.md section 8) into data/sample, atomically."""
+"""Stage `sample@world`: generate the embedded sample world (DESIGN.md section 8) into data/sample, atomically.
+
+dvc.yaml runs it once per entry of params `sample.build` ([world]; [] in the real-data profile, where no stage reads
+data/sample), so it is in the DAG only where the sample world is used."""
 from __future__ import annotations
 
 import time
@@ -15,7 +18,7 @@ KEYS = ["seed", "image_size", "n_train", "n_val", "n_docci_train", "n_docci_test
 
 
 def main() -> None:
-    _, params, log = start(__doc__, "sample")
+    _, params, log = start(__doc__, "sample@world")
     cfg = WorldConfig(**{k: int(params[f"sample.{k}"]) for k in KEYS})
     params.check_all_read()
     t0 = time.perf_counter()

@@ -17,7 +17,9 @@ precision it ran in is recorded in dvclive/train/<run>/data.json.
 Resumable: checkpoints/<run>/last.pt (gitignored, not a DVC out, so DVC never deletes it; removed once the model is
 exported unless `train.keep_checkpoint`) carries a fingerprint of the run's settings, the stage's deps (code,
 models/base, data/shards, data/runs/<run>.json) and the world size: a killed run re-run unchanged resumes; after
-`dvc exp run -S ...` or a code change the run starts from scratch.
+`dvc exp run -S ...` or a code change the run starts from scratch. dvclive writes its curves beside the checkpoint
+(checkpoints/<run>/dvclive), so a resumed run continues them; the finished folder is copied to dvclive/train/<run>/,
+an output DVC's run cache can restore (a persisted output would keep the stage out of it).
 """
 from __future__ import annotations
 
@@ -80,16 +82,18 @@ def main() -> None:
                              rank=session.dist.rank, world_size=session.dist.world_size)
         fp = fingerprint(params.stage, {"run": args.run, **resolved, "precision": cfg.precision},
                          stage_inputs(params.stage), session.dist.world_size)
-        live_dir, checkpoint_dir = ROOT / "dvclive" / "train" / args.run, ROOT / "checkpoints" / args.run
+        checkpoint_dir = ROOT / "checkpoints" / args.run
+        live_work = checkpoint_dir / "dvclive"           # survives a kill beside the checkpoint it resumes from
         trainer = session.trainer(method, model, loader, checkpoint_dir=checkpoint_dir, fingerprint=fp,
                                   desc=params.stage)
-        module = session.fit(trainer, live_dir)
-        session.export(method.final_model(module, model), ROOT / "models" / args.run, live_dir=live_dir,
+        module = session.fit(trainer, live_work)
+        session.export(method.final_model(module, model), ROOT / "models" / args.run, live_dir=live_work,
                        record={"samples": loader.num_samples, "wanted": loader.num_wanted,
                                "dropped_by_method": loader.dropped_by_method,
                                "epoch_unit": loader.epoch_unit, "units": loader.num_units,
                                "batches_per_epoch": loader.epoch_length(0), "steps": trainer.total_steps,
                                **dict(loader.stats)},
+                       publish_to=ROOT / "dvclive" / "train" / args.run,
                        checkpoint_dir=checkpoint_dir, keep_checkpoint=params["train.keep_checkpoint"])
         log.info("exported models/%s", args.run)
         params.check_all_read()

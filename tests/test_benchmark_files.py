@@ -87,22 +87,9 @@ def test_a_missing_benchmark_file_is_an_error_naming_it(bench, tmp_path):
         benchmark_manifest({"box_cls": bench["box_cls"]}, tmp_path / "cache")
 
 
-@pytest.fixture(scope="module")
-def stages(tmp_path_factory):
-    """The stages as DVC expands dvc.yaml."""
-    from dvc.repo import Repo
-
-    tmp = tmp_path_factory.mktemp("benchmark_deps")
-    for name in ("dvc.yaml", "params.yaml"):
-        shutil.copy(ROOT / name, tmp / name)
-    Repo.init(str(tmp), no_scm=True)
-    with Repo(str(tmp)) as repo:
-        return list(repo.index.stages)
-
-
-PROFILES = [["params.yaml"], ["params.yaml", "params.real.yaml"]] + \
-    [["params.yaml", "params.real.yaml", f"recipes/{r}.yaml"] for r in ("harmoclip", "fsc_clip", "goal", "degla",
-                                                                          "mulclip")]
+NO_LISM = {"segments": {"sources": []}, "lism": {"sources": []}}     # the sample world without GOAL's data stages
+PROFILES = [[], [NO_LISM], ["params.real.yaml"]] + \
+    [["params.real.yaml", f"recipes/{r}.yaml"] for r in ("harmoclip", "fsc_clip", "goal", "degla", "mulclip")]
 
 
 def _leaves(node):
@@ -113,16 +100,31 @@ def _leaves(node):
         yield node
 
 
-def test_every_benchmark_file_a_stage_writes_is_under_a_dep_of_the_benchmarks_stage(stages):
-    """The manifest must be written after the stages that write benchmark files (DAG order): in every profile, a
-    configured benchmark path inside a stage's output lies inside a dep of stage `benchmarks`."""
-    (bench_stage,) = [s for s in stages if s.name == "benchmarks"]
-    assert bench_stage.always_changed
-    deps = [Path(d.def_path) for d in bench_stage.deps]
-    outs = [Path(o.def_path) for s in stages if s.name != "benchmarks" for o in s.outs]
-    for names in PROFILES:
-        params = profile.merged([ROOT / n for n in names])
+@pytest.mark.parametrize("names", PROFILES, ids=lambda n: "+".join("no_lism" if isinstance(x, dict) else Path(x).stem
+                                                                   for x in n) or "sample")
+def test_every_stage_that_writes_a_configured_benchmark_file_runs_before_the_benchmarks_stage(tmp_path, names):
+    """The manifest must be written after the stages that write benchmark files (DAG order): in every profile (the
+    committed params.yaml + the profiles, as `clipfinetune recipe` writes them), a stage whose output holds a
+    configured benchmark path is upstream of stage `benchmarks`."""
+    import networkx as nx
+    import yaml
+    from dvc.repo import Repo
+    from fixtures.project import committed_params
+
+    params = profile.layered(committed_params(), *(n if isinstance(n, dict) else profile.load_plain(ROOT / n)
+                                                   for n in names))
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    Repo.init(str(tmp_path), no_scm=True)
+    with Repo(str(tmp_path)) as repo:
+        graph = repo.index.graph                                   # edges: a stage -> the stages it depends on
+        (bench,) = [s for s in graph if s.name == "benchmarks"]
+        assert bench.always_changed
+        upstream = nx.descendants(graph, bench)
+        writers = 0
         for value in _leaves(params["eval"]["benchmarks"]):
-            path = Path(value)
-            if any(path == o or o in path.parents for o in outs):
-                assert any(path == d or d in path.parents for d in deps), (names, value)
+            for stage in graph:
+                if any(Path(value) == Path(o.def_path) or Path(o.def_path) in Path(value).parents for o in stage.outs):
+                    assert stage in upstream, (names, value, stage.name)
+                    writers += 1
+    assert writers or "params.real.yaml" in names, "the sample world's sets lie in data/sample (stage sample@world)"

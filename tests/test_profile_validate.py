@@ -9,6 +9,7 @@ import yaml
 from fixtures import real_tree
 from fixtures.llm import openai_server
 from fixtures.profiles import unknown_keys
+from fixtures.project import committed, committed_params
 
 from clipfinetune import profile, validate
 
@@ -17,7 +18,7 @@ REAL = ROOT / "params.real.yaml"
 
 
 def test_the_real_profile_only_names_keys_params_yaml_has_or_new_benchmark_sets():
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = committed_params()
     real = yaml.safe_load(REAL.read_text())
     assert set(real) <= set(params)                       # no block shadowing the top-level keys
     assert unknown_keys(real, params) == []
@@ -26,7 +27,7 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     from dvc.utils.hydra import apply_overrides
 
     params = tmp_path / "params.yaml"
-    shutil.copy(ROOT / "params.yaml", params)
+    params.write_text(committed("params.yaml"))
     changed = profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params)     # the base, then a recipe
     text = params.read_text()
     assert "# the embedded sample world" in text and "# DeGLA's LLM hard negatives" in text
@@ -35,27 +36,18 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     mulclip = merged["train"]["mulclip"]                                   # MulCLIP §4.1 "Training setting"
     assert (mulclip["epochs"], mulclip["wd"], mulclip["warmup"], mulclip["lr"]) == (8, 0.05, 200, 1e-5)
     assert mulclip["new_module_lr"] == 2e-4 and merged["train"]["lr"] == 5e-6    # the base's shared value stays
-    coco = merged["eval"]["benchmarks"]["retrieval"]["real"]                  # MulCLIP §4.1: COCO2017 val
-    assert coco["coco_captions"].endswith("captions_val2017.json") and coco["karpathy"] == ""
-    assert merged["eval"]["benchmarks"]["long_retrieval"]["real"]["splits"] == ["test", "qual_test"]
-    assert merged["eval"]["benchmarks"]["box_cls"]["real"] == {}            # a recipe turns a set off
-    assert merged["eval"]["benchmarks"]["retrieval"]["sample"]             # the sample sets are kept
-    assert merged["sample"] == yaml.safe_load((ROOT / "params.yaml").read_text())["sample"]
+    benchmarks = merged["eval"]["benchmarks"]
+    assert benchmarks["retrieval"]["real"] == {"coco_captions": "datasets/coco/annotations/captions_val2017.json",
+                                               "images": "datasets/coco/val2017"}  # MulCLIP §4.1: COCO2017 val, whole
+    assert set(benchmarks["retrieval"]) == {"real", "flickr1k"}            # no sample-world set on a real model
+    assert benchmarks["long_retrieval"]["real"]["splits"] == ["test", "qual_test"]
+    assert benchmarks["box_cls"] == {} and benchmarks["box_cls_hard"] == {}  # a task turned off
+    assert merged["sample"] == {**committed_params()["sample"], "build": []}   # the sample world left out
     assert "model.name" in changed and "runs" in changed and "pretrain.lr" not in changed   # same value: no change
     assert set(merged["runs"]) == {"mulclip", "mulclip_global_only"}       # the recipe's runs replace the list
     assert profile.apply([REAL, ROOT / "recipes" / "mulclip.yaml"], params) == []      # idempotent
     apply_overrides(str(params), ["loss.lambda_word=0.2"])                   # what `dvc exp run -S` does
     assert yaml.safe_load(params.read_text())["loss"]["lambda_word"] == 0.2
-
-
-def test_set_args_lists_every_leaf_as_an_override():
-    args = profile.set_args(REAL)
-    pairs = dict(a.split("=", 1) for a in args[1::2])
-    assert set(args[0::2]) == {"-S"}
-    assert pairs["model.name"] == "ViT-B-16" and pairs["shards.val_fraction"] == "0.0"
-    assert pairs["lism.ground_truth"] == '""'
-    pairs = dict(a.split("=", 1) for a in profile.set_args([REAL, ROOT / "recipes" / "goal.yaml"])[1::2])
-    assert pairs["train.goal.wd"] == "0.05" and pairs["model.name"] == "ViT-B-16"      # the recipe over the base
 
 
 # ------------------------------------------------------------------------------------- a miniature real tree
@@ -74,7 +66,7 @@ def real_project(tmp_path_factory, llm_server):
 
     root = tmp_path_factory.mktemp("real")
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
-    shutil.copy(ROOT / "params.yaml", root / "params.yaml")
+    (root / "params.yaml").write_text(committed("params.yaml"))
     Repo.init(str(root), no_scm=True)
     real_tree.build(root)
     export_model(load_model("cft-tiny-vit"), root / "weights" / "tiny")

@@ -238,12 +238,17 @@ def test_same_seed_byte_identical_and_other_seed_differs(tmp_path):
 
 
 def test_stage_reads_exactly_the_declared_sample_params():
+    from fixtures.project import committed_params
+
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())
-    declared = {p[len("sample."):] for p in dvc["stages"]["sample"]["params"]}
-    params = yaml.safe_load((REPO / "params.yaml").read_text())["sample"]
+    stage = dvc["stages"]["sample"]
+    assert stage["foreach"] == "${sample.build}"         # sample@world; `build: []` leaves it out of the DAG
+    declared = {p[len("sample."):] for p in stage["do"]["params"]}
+    params = committed_params()["sample"]
     from clipfinetune.sample.world import WorldConfig
 
-    assert declared == set(params) == set(WorldConfig.__dataclass_fields__)
+    assert params["build"] == ["world"]
+    assert declared == set(params) - {"build"} == set(WorldConfig.__dataclass_fields__)
 
 
 def test_scene_records_read_back_as_the_scenes_written():

@@ -49,14 +49,15 @@ class TrainingSession:
             return trainer.fit(monitor)
 
     def export(self, model, out_dir: str | os.PathLike, *, live_dir: str | os.PathLike | None = None,
-               note: str = "data.json", record: dict | None = None, checkpoint_dir: str | os.PathLike | None = None,
-               keep_checkpoint: bool = True) -> None:
+               note: str = "data.json", record: dict | None = None, publish_to: str | os.PathLike | None = None,
+               checkpoint_dir: str | os.PathLike | None = None, keep_checkpoint: bool = True) -> None:
         """On the main rank: `model` exported to `out_dir` (open_clip's local-dir layout), `record` with the device
-        and the batch split written to `live_dir/note`, and the resume checkpoints removed unless kept (DVC caches
-        the exported model)."""
+        and the batch split written to `live_dir/note`, `live_dir` copied to `publish_to` (the stage's output: curves
+        grow beside the checkpoint they resume with, and a finished copy is an output DVC's run cache can restore),
+        and the resume checkpoints removed unless kept (DVC caches the exported model)."""
         if not self.dist.is_main:
             return
-        from clipfinetune.io import write_json
+        from clipfinetune.io import copy_dir, write_json
         from clipfinetune.models import export_model
 
         export_model(model, out_dir)
@@ -65,6 +66,8 @@ class TrainingSession:
                                                "ranks": self.dist.world_size, "global_batch": self.global_batch,
                                                "rank_batch": self.cfg.batch_size,
                                                "precision": self.cfg.precision})
+        if live_dir is not None and publish_to is not None:
+            copy_dir(live_dir, publish_to)
         if checkpoint_dir is not None and not keep_checkpoint:
             remove_checkpoints(checkpoint_dir)
 

@@ -1,8 +1,8 @@
 """Fault-injection suite: shared tiny project (issue 16).
 
-ONE session fixture (`tiny_project`) copies the repo's code (stages/, clipfinetune/, dvc.yaml, params.yaml) into
-a temporary folder, makes it a DVC repo (`dvc init --no-scm`), shrinks params.yaml to a tiny sample world and
-runs every data stage plus `pretrain` there for real, as `python stages/<name>.py --stage <name>` subprocesses.
+ONE session fixture (`tiny_project`) copies the repo's code (stages/, clipfinetune/, dvc.yaml, the committed
+params.yaml) into a temporary folder, makes it a DVC repo (`dvc init --no-scm`), shrinks params.yaml to a tiny
+sample world and runs every data stage plus `pretrain` there for real, as `python stages/<name>.py --stage <name>` subprocesses.
 Its outputs are the references the fault tests compare against. A test copies the project (`clone`) and
 mutates only its copy; stages run either in a subprocess (kills, resumes) or in-process (`run_inprocess`, the
 stage's own `main()` with `_common.ROOT` pointed at the copy) when the test only needs its error or its meta.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.project import TINY, write_params
+from fixtures.project import TINY, committed, write_params
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -54,8 +54,10 @@ def _ignore(_dir, names):
     return [n for n in names if n in ("__pycache__", "tmp") or n.endswith(".pyc")]
 
 
-# the data stages dvc.yaml runs once per listed source (`foreach: ${<stage>.sources}`): <stage>@<source>
-PREPARING = {"word_regions": "coco", "negatives": "coco", "sentences": "docci", "segments": "docci", "lism": "docci"}
+# the stages dvc.yaml runs once per list entry (`foreach: ${<stage>.sources}`, the sample world's
+# `${sample.build}`): <stage>@<entry>
+PREPARING = {"word_regions": "coco", "negatives": "coco", "sentences": "docci", "segments": "docci", "lism": "docci",
+             "sample": "world"}
 
 
 def dvc_name(stage: str) -> str:
@@ -172,12 +174,13 @@ class Project:
 @pytest.fixture(scope="session")
 def tiny_project(tmp_path_factory) -> Project:
     root = tmp_path_factory.mktemp("tiny_project")
-    for rel in ("stages", "clipfinetune", "dvc.yaml", "params.yaml"):
+    for rel in ("stages", "clipfinetune", "dvc.yaml"):
         src = REPO / rel
         if src.is_dir():
             shutil.copytree(src, root / rel, ignore=_ignore)
         else:
             shutil.copy2(src, root / rel)
+    (root / "params.yaml").write_text(committed("params.yaml"))     # not the workspace's (a user's -S edits)
     subprocess.run([PY, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, env=ENV, check=True)
     proj = Project(root)
     write_params(root, TINY)
