@@ -242,7 +242,7 @@ def test_dvc_set_param_rewrites_the_file_as_the_bug_needed():
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "params.yaml"
         path.write_text(text)
-        _dvc_set_param(path, "runs.fsc_clip.lambda_l=0.2")
+        _dvc_set_param(path, "loss.lambda_l=0.2")
         rewritten = path.read_text()
     assert re.search(r"^  sources: +#.*\n(?: +#.*\n|\n)*  - coco$", rewritten, re.MULTILINE)
 
@@ -250,16 +250,16 @@ def test_dvc_set_param_rewrites_the_file_as_the_bug_needed():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_recipe_over_params_rewritten_by_dvc_set_param_loads_keeps_or_names_the_edits(sandbox, recipe):
     params = sandbox / "params.yaml"
-    _dvc_set_param(params, "runs.fsc_clip.lambda_l=0.2", "compute.nproc=4", "negatives.sources=[]")
+    _dvc_set_param(params, "loss.lambda_l=0.2", "compute.nproc=4", "negatives.sources=[]")
     out = profile.recipe(recipe, params)
     want = _alone(recipe)
     want["compute"]["nproc"] = 4                                        # no recipe sets compute: the edit is kept
     assert _loaded(sandbox) == want
     assert out["kept"] == {"compute.nproc": 4}
-    replaced = {"runs.fsc_clip.lambda_l": (0.2, profile._get(want, "runs.fsc_clip.lambda_l", profile.ABSENT)),
+    replaced = {"loss.lambda_l": (0.2, profile._get(want, "loss.lambda_l", profile.ABSENT)),
                 "negatives.sources": ([], want["negatives"]["sources"])}
     assert out["replaced"] == {k: v for k, v in replaced.items() if v[0] != v[1]}    # what the recipe changed
-    assert ("runs.fsc_clip.lambda_l" in out["replaced"]) == (recipe != "fsc_clip")     # FSC-CLIP's is 0.2 too
+    assert ("loss.lambda_l" in out["replaced"]) == (recipe != "fsc_clip")     # FSC-CLIP's is 0.2 too
     assert "# the embedded sample world" in params.read_text()          # the committed file's comments
     again = profile.recipe(recipe, params)                              # idempotent over its own output
     assert _loaded(sandbox) == want and again["kept"] == {"compute.nproc": 4}
@@ -270,7 +270,7 @@ def test_apply_over_params_rewritten_by_dvc_set_param_loads_and_equals_the_inten
     load = lambda p: yaml.safe_load(Path(p).read_text())
     params = tmp_path / "params.yaml"
     params.write_text(committed("params.yaml"))
-    _dvc_set_param(params, "runs.fsc_clip.lambda_l=0.2")
+    _dvc_set_param(params, "loss.lambda_l=0.2")
     edited = load(params)
     profile.apply([ROOT / "params.real.yaml", ROOT / "recipes" / f"{recipe}.yaml"], params)
     assert load(params) == _layered(edited, load(ROOT / "params.real.yaml"), load(ROOT / "recipes" / f"{recipe}.yaml"))
@@ -282,7 +282,7 @@ def test_a_committed_recipe_is_not_the_base_of_the_next(sandbox):
     params.yaml of the history, not from that commit, and names it."""
     first = run(sandbox, "git", "rev-parse", "--short", "HEAD").stdout.strip()
     profile.recipe("harmoclip", sandbox / "params.yaml")
-    _dvc_set_param(sandbox / "params.yaml", "runs.harmoclip.lambda_gr=0.5")      # committed in DVC's form too
+    _dvc_set_param(sandbox / "params.yaml", "loss.lambda_gr=0.5")      # committed in DVC's form too
     _commit(sandbox, "harmoclip")
     out = profile.recipe("goal", sandbox / "params.yaml")
     assert out["base"] == first and _loaded(sandbox) == _alone("goal")
@@ -296,11 +296,11 @@ def test_an_unknown_paper_is_refused_naming_the_recipes(sandbox):
 
 
 def test_the_command_reports_what_it_replaced_and_the_next_steps(sandbox):
-    _dvc_set_param(sandbox / "params.yaml", "runs.fsc_clip.lambda_l=0.3", "compute.nproc=4")
+    _dvc_set_param(sandbox / "params.yaml", "loss.lambda_l=0.3", "compute.nproc=4")
     proc = run(sandbox, "clipfinetune", "recipe", "fsc_clip", check=False)
     assert proc.returncode == 0, proc.stderr
     assert "kept 1 workspace edit(s)" in proc.stdout and "compute.nproc: 4" in proc.stdout
-    assert "runs.fsc_clip.lambda_l: 0.3 -> 0.2" in proc.stdout and "-S 'runs.fsc_clip.lambda_l=0.3'" in proc.stdout
+    assert "loss.lambda_l: 0.3 -> 0.2" in proc.stdout and "-S 'loss.lambda_l=0.3'" in proc.stdout
     assert "next: clipfinetune plan, then dvc exp run -n fsc_clip" in proc.stdout
 
 
