@@ -24,14 +24,7 @@ def main(argv=None) -> int:
         from clipfinetune import profile
 
         return profile.main(["recipe", *rest], prog="clipfinetune")
-    try:
-        module = importlib.import_module(COMMANDS[command])
-    except ModuleNotFoundError as e:
-        if e.name != COMMANDS[command]:
-            raise
-        print(f"clipfinetune {command}: not in this version ({COMMANDS[command]} is missing)", file=sys.stderr)
-        return 2
-    return module.main(rest)
+    return importlib.import_module(COMMANDS[command]).main(rest)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from clipfinetune.io import InputError
 from clipfinetune.methods.goal import GoalMethod
 from clipfinetune.methods.mulclip import MulClipMethod
 
-# COCO train2017's captions (README "Scale"): 118,287 images, 591,753 captions
+# COCO train2017's captions (docs/scale.md): 118,287 images, 591,753 captions
 COCO_IMAGES, COCO_CAPTIONS = 118_287, 591_753
 
 

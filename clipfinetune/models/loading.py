@@ -115,7 +115,8 @@ def load_model(name: str, pretrained: str = "", device: str | torch.device = "cp
                 f"weights of {name} {pretrained!r} are neither in the Hugging Face cache nor downloadable ({error}). "
                 f"Offline: fill the cache once where there is network (load the tag once, or `hf download "
                 f"{tag_cfg.get('hf_hub', '').rstrip('/')}`), point HF_HUB_CACHE (or HF_HOME) at it and set "
-                f"HF_HUB_OFFLINE=1; or export the weights to a folder and name it (README \"Loading real weights\")"
+                f"HF_HUB_OFFLINE=1; or export the weights to a folder and name it (docs/real-architectures.md, "
+                f"\"Loading real weights\")"
             ) from error
     return ClipModel(clip, model_cfg, tokenizer_source=_tokenizer_source(name, model_cfg), precision=precision)
 

@@ -5,7 +5,7 @@ each gives a correct result, or a counted skip / an InputError naming the file a
 Images: CMYK JPEG, greyscale PNG, palette PNG with a transparent colour, 16-bit PNG, JPEG with an EXIF
 orientation tag, truncated JPEG, an image above PIL's decompression-bomb limit. Text: a 300-word caption for a
 77-token model, a 40-sentence DOCCI description, captions with emoji and non-Latin scripts, a COCO file with
-`iscrowd` RLE annotations. The README's "Reliability" section lists the outcome of each."""
+`iscrowd` RLE annotations. docs/reliability.md lists the outcome of each."""
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,5 @@
 """A sweep through DVC's experiment queue on the real-data profile (issue 33): the miniature real tree lives outside
-the project, reached through the `datasets` link as README "Reproducing the papers" sets it up, committed so that
+the project, reached through the `datasets` link as docs/real-data.md "Reproducing the papers" sets it up, committed so that
 each queued experiment's own workspace (.dvc/tmp/exps/...) has it too. The baseline runs `dvc repro eval@clip`; a
 queued `-S train.lr=...` experiment then re-runs exactly train@clip and eval@clip (and `benchmarks`, always) (the data stages, the negatives
 and their answer cache untouched: they are up to date from the committed dvc.lock) and records its metrics.

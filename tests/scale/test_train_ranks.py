@@ -4,7 +4,7 @@
     as 2 ranks through torch.distributed.run; with `train.batch_size` the GLOBAL batch it takes the same steps,
     the same learning-rate schedule and a loss curve close to a 1-rank run's (tolerance below).
 (b) two "nodes": two `torch.distributed.run --nnodes 2` processes meeting through c10d rendezvous on 127.0.0.1
-    (the README's multi-node recipe) train the same run.
+    (docs/scale.md "Several nodes") train the same run.
 Minutes each (the tiny project's data stages, then several training processes): tests/scale/ only."""
 from __future__ import annotations
 
