@@ -31,7 +31,7 @@ CPU = {
     "train": {"epochs": 1, "batch_size": 2, "warmup": 1, "workers": 0, "checkpoint_every": 0},
     "eval": {"batch_size": 64, "threads": 1},
 }
-STAGES = {"word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco",
+STAGES = {"plan@repro", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco",
           "shards", "method_code", "run_settings", "train@clip", "benchmarks", "eval@clip"}
 
 
