@@ -283,3 +283,21 @@ def test_the_committed_sample_params_pass_on_the_cpu_through_the_command_line(tr
     proc = subprocess.run([sys.executable, "-m", "clipfinetune.plan", "--params", str(refused), "--gpus", "0"],
                           cwd=tree["root"], capture_output=True, text=True, check=False)
     assert proc.returncode == 1 and "REFUSED" in proc.stdout and "train.batch_size: 63" in proc.stdout
+
+
+def test_dvc_repro_of_a_refused_real_configuration_stops_at_the_plan_before_any_other_stage(tree):
+    """params.real.yaml lists stage plan@repro, on which every other stage depends: `dvc repro` of a configuration
+    the plan refuses (GOAL without its local pairs) fails there, before any data stage, pretrain or training ran."""
+    root = tree["root"]
+    params, stages = recipe_params(tree, "goal", lism={"sources": []})
+    assert stages[0].name == "plan@repro" and all("data/plan" in s.deps for s in stages[1:])
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, capture_output=True, text=True,
+                              check=False)
+    finally:
+        (root / "params.yaml").write_text(committed("params.yaml"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "plan@repro" in out and "lism.sources" in out and "global-only" in out, out[-3000:]
+    assert not (root / "data/plan/passed.json").exists() and not (root / "models/base").exists()
+    assert not list((root / "data/prepared").glob("*.parquet")) and not (root / "data/shards").exists()
