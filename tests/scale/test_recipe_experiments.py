@@ -74,12 +74,12 @@ def test_each_paper_runs_its_own_stages_and_never_the_sample_world(papers):
 
 
 def test_returning_to_a_paper_trains_and_evaluates_nothing_again(papers):
-    """Run-cache restore: only the always-changed benchmark listing and the report (an uncached output) run. Every
-    stage of A changed since A ran (the sweep re-trained its runs, B re-made the base and the shards)."""
+    """Run-cache restore: only the always-changed plan and benchmark listing and the report (an uncached output)
+    run. Every stage of A changed since A ran (the sweep re-trained its runs, B re-made the base and the shards)."""
     assert {"train@mulclip", "train@mulclip_global_only"} <= set(papers["ran"][f"{A}-lr"])
     assert "train.mulclip.lr: 2e-05 -> (none)" in papers["recipe_" + B]     # the sweep's edit, named, not carried
     ran = set(papers["ran"][f"{A}-back"])
-    assert ran <= {"benchmarks", "report"}, ran
+    assert ran <= {"plan@repro", "benchmarks", "report"}, ran
     log = papers["log"][f"{A}-back"]
     for stage in ("pretrain", "shards", "train@mulclip", "train@mulclip_global_only", "eval@mulclip",
                   "eval@mulclip_global_only", "eval_base"):
