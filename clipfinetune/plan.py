@@ -487,8 +487,8 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
             row.steps_per_epoch = math.ceil(units / global_batch)
         else:
             row.coverage = "unknown"
-            row.notes.append("units unknown until the data stages ran (e.g. word-region pairs: `dvc repro "
-                             "word_regions@coco`, then plan again)")
+            row.notes.append("units unknown until its sources' records can be read (`dvc repro shards`, then plan "
+                             "again: the loader's exact count)")
     if (sizes("models/base") or 0) and row.outputs_bytes is None:
         row.outputs_bytes, row.outputs_note = sizes("models/base"), "estimated (models/base's size)"
     f = find_figure(figures, kind, "train_step", str(_get(params, "model.name")), method)
