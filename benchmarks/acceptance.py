@@ -235,7 +235,8 @@ def build_datasets(root: Path, size: dict, archs: set[str]) -> dict:
 
 def overrides(size: dict, weights: Path, sam, base_url: str) -> dict:
     """The compute a miniature tree needs (paths and layouts stay the profile's): tests/scale/test_real_profile_dag's
-    CPU overrides, with SAM vit_b (random weights, thresholds 0) and loader workers on a GPU."""
+    CPU overrides, with SAM vit_b (random weights, thresholds 0) and loader workers on a GPU, and no GPU kept for
+    the LLM server (a stand-in on the CPU)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures.project import TINY
 
@@ -247,7 +248,8 @@ def overrides(size: dict, weights: Path, sam, base_url: str) -> dict:
             "segments": segments,
             "negatives": {"concurrency": 2, "timeout": 20, "max_retries": 1, "backoff": 0.1, "base_url": base_url},
             "shards": {"maxcount": 4},
-            "eval": {"batch_size": 64, "threads": 0 if size["sam"] else 1, "workers": size["workers"]}}
+            "eval": {"batch_size": 64, "threads": 0 if size["sam"] else 1, "workers": size["workers"]},
+            "compute": {"llm_gpus": 0}}        # the stand-in LLM server holds no GPU (DeGLA's recipe keeps one)
 
 
 SHRINK = {"epochs": 1, "batch_size": 2, "warmup": 1, "workers": 0, "checkpoint_every": 0, "epoch_samples": 0}
@@ -278,7 +280,7 @@ def make_project(dst: Path, datasets: Path, profiles: list[str], size: dict, bui
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     (dst / ".dvc" / "config.local").write_text("[core]\n    no_scm = true\n")
-    for folder in ("data/prepared", "data/evalsets"):
+    for folder in ("data/prepared", "data/evalsets", "data/plan"):
         (dst / folder).mkdir(parents=True, exist_ok=True)
     (dst / "datasets").symlink_to(datasets, target_is_directory=True)
     apply([str(dst / p) for p in profiles], str(dst / "params.yaml"))
