@@ -44,7 +44,7 @@ OUTPUTS = {
 }
 RUN_STATISTICS = {"data/prepared/negatives.meta.json": {"seconds", "requests_asked", "answers_from_cache",
                                                          "cache_corrupt_lines"}}
-CODE = ["stages", "clipfinetune", "dvc.yaml", "params.yaml", ".dvc"]
+CODE = ["stages", "clipfinetune", "dvc.yaml", "params.yaml", ".dvc", "data/plan"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
        "DVC_NO_ANALYTICS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 ENV.pop("DVC_STAGE", None)
@@ -181,6 +181,8 @@ def tiny_project(tmp_path_factory) -> Project:
         else:
             shutil.copy2(src, root / rel)
     (root / "params.yaml").write_text(committed("params.yaml"))     # not the workspace's (a user's -S edits)
+    (root / "data" / "plan").mkdir(parents=True)                      # committed (.gitkeep): every stage's dep
+    (root / "data" / "plan" / ".gitkeep").touch()
     subprocess.run([PY, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, env=ENV, check=True)
     proj = Project(root)
     write_params(root, TINY)
