@@ -387,7 +387,7 @@ def built_tiny_model(work: Path) -> Path:
 def rows(report: Report, size: dict, budget: Budget, work: Path) -> None:
     """`gpu.extra_rows`, one at a time (each catches its own error), at gpu.SIZES' size for the device."""
     from . import gpu
-    from .fig5_real import real_model_dir, real_samples, write_shards
+    from .fig5_real import real_model_dir
 
     cuda = size["device"].startswith("cuda")
     sizes = gpu.SIZES["gpu" if cuda else "tiny"]
@@ -395,15 +395,8 @@ def rows(report: Report, size: dict, budget: Budget, work: Path) -> None:
     model_dir = real_model_dir() if cuda else built_tiny_model(work)
     work = work / "rows"
     shutil.rmtree(work, ignore_errors=True)
-    n = sizes["batch"] * (sizes["steps"] + 2)
-    samples = real_samples(max(n, sizes["eval_images"] + 1, sizes["lism_images"] + 1))
-    shards = write_shards(samples[:n], work / "shards", n_shards=max(sizes["workers"], 1))
-    images = work / "images"
-    images.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for key, jpg, _ in samples[:sizes["eval_images"] + 1]:
-        (images / f"{key}.jpg").write_bytes(jpg)
-        paths.append(str(images / f"{key}.jpg"))
+    samples, shards, paths = gpu.row_inputs(work, sizes)
+
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 

@@ -230,8 +230,9 @@ def lism_crops_per_s(model_dir, samples, work, size: dict, device: str, log=prin
             "matched": sum("matches" in r for r in results), "workers": size["workers"]}
 
 
-def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=print) -> dict:
-    """Every row beyond the step table, over real-size shards written under `work`."""
+def row_inputs(work, size: dict) -> tuple[list, object, list[str]]:
+    """The rows' inputs under `work`: (real-size samples, shards of the first batch x (steps + 2) of them, the eval
+    rows' image files)."""
     from .fig5_real import real_samples, write_shards
 
     n = size["batch"] * (size["steps"] + 2)
@@ -243,6 +244,12 @@ def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=pri
     for key, jpg, _ in samples[:size["eval_images"] + 1]:
         (images / f"{key}.jpg").write_bytes(jpg)
         paths.append(str(images / f"{key}.jpg"))
+    return samples, shards, paths
+
+
+def extra_rows(model_dir, work, size: dict, device: str, precision: str, log=print) -> dict:
+    """Every row beyond the step table, over real-size shards written under `work`."""
+    samples, shards, paths = row_inputs(work, size)
     return {"end_to_end": end_to_end(model_dir, shards, size, device, precision, log),
             "loader": loader_vs_step(model_dir, shards, size, device, precision, log),
             "eval": eval_images_per_s(model_dir, paths, size, device, log),

@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from fixtures.project import RAN, TINY, copy_project, write_params
+from fixtures.project import RAN, TINY, assert_sweep_reran_exactly, copy_project, write_params
 from fixtures.project import run as _run
 
 from clipfinetune.eval.items import recompute
@@ -172,12 +172,7 @@ def test_every_runs_curves_render_in_plots_show(dag):
 def test_exp_run_of_loss_lambda_l_reruns_exactly_the_runs_that_use_it_their_evals_and_report(dag):
     """`dvc exp run -S loss.lambda_l=0.2`: fsc_clip and fsc_lhn_only (its ablation inherits lambda_L) re-train; clip,
     degla and the mix (whose weights are its own terms) do not."""
-    wanted = {"run_settings", "report"} | {f"{s}@{r}" for r in LAMBDA_L_RUNS for s in ("train", "eval")}
-    assert set(dag["exp_ran"]) == wanted | {"benchmarks"}        # benchmarks re-lists (same output, lock unchanged)
-    before, after = dag["lock_baseline"], dag["lock_exp"]
-    assert before.keys() == after.keys()
-    assert {name for name in before if before[name] != after[name]} == wanted
-    assert after["run_settings"]["params"]["params.yaml"]["loss"]["lambda_l"] == 0.2
+    assert_sweep_reran_exactly(dag, LAMBDA_L_RUNS)
 
 
 def _diff_rows(text: str) -> list[tuple[str, str]]:

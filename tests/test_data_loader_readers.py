@@ -12,7 +12,14 @@ import pytest
 from test_data_helpers import StubMethod
 from test_data_loader import CTX, CaptionUnitStub, records, run, shards, unit_pairs  # noqa: F401  (module fixture)
 
-from clipfinetune.data.loader import Schedule, ShardLoader, coverage, epoch_coverage, wanted_sources
+from clipfinetune.data.loader import (
+    Schedule,
+    ShardLoader,
+    coverage,
+    epoch_coverage,
+    positions_read,
+    wanted_sources,
+)
 from clipfinetune.io import InputError
 from clipfinetune.methods.goal import GoalMethod
 from clipfinetune.methods.mulclip import MulClipMethod
@@ -38,17 +45,6 @@ def coco_like_units() -> np.ndarray:
     return np.repeat(np.arange(COCO_IMAGES), per_image)
 
 
-def reads(schedule: Schedule, workers: int, epochs: int) -> np.ndarray:
-    """Every stream position every rank x worker reads in `epochs` epochs, by the loader's partition functions."""
-    out = []
-    for epoch in range(epochs):
-        for rank in range(schedule.world_size):
-            for worker in range(workers):
-                micro = np.fromiter(schedule.micro_batches(epoch, 0, worker, workers), dtype=np.int64)
-                out.append(schedule.positions(micro, rank).ravel())
-    return np.concatenate(out)
-
-
 @pytest.mark.parametrize(("ranks", "workers", "global_batch"), [(8, 8, 256), (2, 8, 50), (7, 1, 49)])
 def test_every_unit_once_per_epoch_at_8x8_readers_over_a_real_size_index(ranks, workers, global_batch):
     """params.real.yaml's batch 256 at 8 GPUs x 8 workers (4.0% unseen and 4.4% repeated when readers took whole
@@ -57,7 +53,7 @@ def test_every_unit_once_per_epoch_at_8x8_readers_over_a_real_size_index(ranks, 
     unit_records = coco_like_units()
     n = len(unit_records)
     schedule = Schedule(n, global_batch // ranks, ranks, 1, seed=0, unit_records=unit_records)
-    positions = np.sort(reads(schedule, workers, epochs=2))
+    positions = np.sort(positions_read(schedule, workers, epochs=2))
     steps = -(-2 * n // global_batch)
     assert np.array_equal(positions, np.arange(steps * global_batch))       # no position twice, none skipped
     for epoch in (0, 1):

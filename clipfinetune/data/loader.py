@@ -644,17 +644,23 @@ def epoch_coverage(shards_dir: str | Path, split: str, method, *, global_batch: 
     return {**coverage(schedule, max(1, num_workers), epochs), "unit": method.epoch_unit if per_unit else "image"}
 
 
-def coverage(schedule: Schedule, workers: int, epochs: int = 1) -> dict:
-    """Units seen and repeated per pass when every rank x worker of `schedule` reads its share of `epochs` epochs
-    (`Schedule.micro_batches` and `Schedule.positions`, as the loader's workers call them)."""
-    n = schedule.units
+def positions_read(schedule: Schedule, workers: int, epochs: int = 1) -> np.ndarray:
+    """Every stream position every rank x worker of `schedule` reads in `epochs` epochs (`Schedule.micro_batches` and
+    `Schedule.positions`, as the loader's workers call them)."""
     read = []
     for epoch in range(epochs):
         for rank in range(schedule.world_size):
             for worker in range(workers):
                 micro = np.fromiter(schedule.micro_batches(epoch, 0, worker, workers), dtype=np.int64)
                 read.append(schedule.positions(micro, rank).ravel())
-    positions = np.concatenate(read)
+    return np.concatenate(read)
+
+
+def coverage(schedule: Schedule, workers: int, epochs: int = 1) -> dict:
+    """Units seen and repeated per pass when every rank x worker of `schedule` reads its share of `epochs` epochs
+    (`Schedule.micro_batches` and `Schedule.positions`, as the loader's workers call them)."""
+    n = schedule.units
+    positions = positions_read(schedule, workers, epochs)
     passes = positions // n
     seen, repeated = [], []
     for p in range(epochs):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import yaml
-from fixtures.project import RAN, TINY, copy_project, write_params
+from fixtures.project import RAN, TINY, assert_sweep_reran_exactly, copy_project, write_params
 from fixtures.project import run as _run
 
 pytestmark = pytest.mark.dag
@@ -62,12 +62,7 @@ LAMBDA_L_RUNS = ("fsc_clip", "fsc_lhn_only")
 
 
 def test_exp_run_reruns_exactly_the_runs_that_use_lambda_l_their_evals_and_report(dag):
-    wanted = {"run_settings", "report"} | {f"{s}@{r}" for r in LAMBDA_L_RUNS for s in ("train", "eval")}
-    assert set(dag["exp_ran"]) == wanted | {"benchmarks"}      # benchmarks re-lists (same output, lock unchanged)
-    before, after = dag["lock_baseline"], dag["lock_exp"]
-    assert before.keys() == after.keys()
-    assert {name for name in before if before[name] != after[name]} == wanted
-    assert after["run_settings"]["params"]["params.yaml"]["loss"]["lambda_l"] == 0.2
+    assert_sweep_reran_exactly(dag, LAMBDA_L_RUNS)
 
 
 def test_metrics_diff_changes_only_those_models_and_summary(dag):

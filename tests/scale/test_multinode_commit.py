@@ -9,7 +9,7 @@ import subprocess
 
 from faults.conftest import ENV, OUTPUTS, PREPARING, PY, run_stage, tiny_project  # noqa: F401  (session fixture)
 
-from scale.test_train_ranks import CMD, data_meta, free_port
+from scale.test_train_ranks import data_meta, train_on_two_nodes
 
 UPSTREAM = ["sample", *[f"{s}@{PREPARING[s]}" for s in ("word_regions", "sentences", "segments", "negatives",
                                                        "lism")], "pretrain", "shards", "method_code", "run_settings"]
@@ -29,14 +29,7 @@ def test_a_stage_trained_on_two_nodes_is_committed_and_dvc_status_is_clean(tiny_
     dvc(proj.root, "commit", "-f", *UPSTREAM)                   # what `dvc repro <upstream>` would have recorded
     assert "train@clip" in dvc(proj.root, "status", "train@clip").stdout
 
-    port = free_port()
-    nodes = [subprocess.Popen([PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-                               "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "commit", "--", *CMD],
-                              cwd=proj.root, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    train_on_two_nodes(proj, "commit")
     assert data_meta(proj)["ranks"] == 2
 
     dvc(proj.root, "commit", "-f", "train@clip")                # the step docs/scale.md shows after the nodes

@@ -48,6 +48,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def train_on_two_nodes(proj: Project, rdzv_id: str) -> None:
+    """train@clip by two `torch.distributed.run --nnodes 2` launchers meeting through c10d rendezvous on 127.0.0.1
+    (one node rank each, one process per node), in `proj` (their shared file system); both must succeed."""
+    port = free_port()
+    nodes = [subprocess.Popen([PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+                               "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--", *CMD],
+                              cwd=proj.root, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+
+
 def test_two_ranks_started_by_the_stage_match_one_rank(tiny_project, tmp_path):  # noqa: F811
     one = one_rank_run(tiny_project, tmp_path / "one")
     two = tiny_project.clone(tmp_path / "two", TRAIN_INPUTS)
@@ -69,14 +82,7 @@ def test_two_nodes_meet_through_c10d_rendezvous_and_train(tiny_project, tmp_path
     one = one_rank_run(tiny_project, tmp_path / "one")
     proj = tiny_project.clone(tmp_path / "nodes", TRAIN_INPUTS)   # one directory: the nodes' shared file system
     run_stage(proj.root, "run_settings")                          # data/runs/clip.json, as DVC runs it first
-    port = free_port()
-    nodes = [subprocess.Popen([PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-                               "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tiny", "--", *CMD],
-                              cwd=proj.root, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    train_on_two_nodes(proj, "tiny")
     meta = data_meta(proj)
     assert meta["ranks"] == 2 and meta["rank_batch"] * 2 == meta["global_batch"]
     assert curve(proj, "lr") == curve(one, "lr")
