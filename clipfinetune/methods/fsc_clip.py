@@ -80,9 +80,6 @@ class FscClipMethod(CaptionUnits, Method):
     def __init__(self, lambda_g: float = 0.5, lambda_l: float = 0.5, focal_gamma: float = 2.0,
                  label_smoothing: float = 0.02, lhn_weighting: str = "minmax", lora_rank: int = 0,
                  lora_lr: float | None = None):
-        super().__init__(lambda_g=lambda_g, lambda_l=lambda_l, focal_gamma=focal_gamma,
-                         label_smoothing=label_smoothing, lhn_weighting=lhn_weighting, lora_rank=lora_rank,
-                         lora_lr=lora_lr)
         self.lambda_g, self.lambda_l = float(lambda_g), float(lambda_l)
         self.focal_gamma, self.label_smoothing = float(focal_gamma), float(label_smoothing)
         self.lhn_weighting = lhn_weighting

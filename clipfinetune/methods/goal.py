@@ -31,7 +31,8 @@ Decisions the paper leaves open / where we differ from the authors' code (METHOD
   for DDP and the accumulation cache); the loss counts them in `stats["n_global_only"]`.
 - Long-CLIP stretching happens in `build()`, GOAL's port: all 248 rows trainable (`freeze_kept=False`, METHODS
   §0.1, §6.10); a model whose context is already 248 is left as it is (e.g. a Long-CLIP base).
-- The trainer has no hook for the loss's `stats` counts (they stay on `GoalLoss.stats` after every call).
+- The loss's counts stay on the device in `GoalLoss.stats` after every call; the step never reads them (a host
+  read would sync), tests do.
 """
 from __future__ import annotations
 
@@ -104,8 +105,6 @@ class GoalMethod(Method):
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):
-        super().__init__(lambda_global=lambda_global, lambda_local=lambda_local, lambda_tsl=lambda_tsl,
-                         tsl_target=tsl_target)
         self.lambda_global, self.lambda_local = float(lambda_global), float(lambda_local)
         self.lambda_tsl, self.tsl_target = float(lambda_tsl), tsl_target
         if tsl_target not in ("diag", "identity"):

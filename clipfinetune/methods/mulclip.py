@@ -90,8 +90,6 @@ class MulClipMethod(Method):
 
     def __init__(self, lambda_short: float = 0.5, lambda_word: float = 1.0, lambda_sub: float = 1.0,
                  token_ratio: float = 0.5, max_sentences: int = 15, new_module_lr: float | None = None):
-        super().__init__(lambda_short=lambda_short, lambda_word=lambda_word, lambda_sub=lambda_sub,
-                         token_ratio=token_ratio, max_sentences=max_sentences, new_module_lr=new_module_lr)
         self.lambda_short, self.lambda_word = float(lambda_short), float(lambda_word)
         self.lambda_sub, self.token_ratio = float(lambda_sub), float(token_ratio)
         self.max_sentences = int(max_sentences)
