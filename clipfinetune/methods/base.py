@@ -2,7 +2,7 @@
 
 The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
 loop. What differs between methods is a hook here, called by the trainer without asking who answers; the defaults
-are open_clip's conventions (`clipfinetune/conventions.py`, METHODS.md 0.3; a method never imports the trainer).
+are open_clip's conventions (`clipfinetune/conventions.py`, docs/methods.md §0.3; a method never imports the trainer).
 Construction: `cls(**config)`, where `config` is the run's resolved constructor kwargs (clipfinetune/runs.py: its
 loss weights from params `loss`, what `runs.<run>` changes (`terms`, `unlocked_vision_layers`, `max_sentences`, ...),
 and the keys of `train.<method>` that the method lists in `train_keys`, e.g. MulCLIP's `new_module_lr`).
