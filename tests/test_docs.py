@@ -285,7 +285,7 @@ def test_the_citation_check_recognises_missing_documents_and_sections():
     files = {"README.md", "DEVELOPERS.md", "docs/methods.md", "docs/design.md", "clipfinetune/losses/goal.py",
              "tests/test_x.py"}
     # the old names spelled in parts, so that a grep for them finds nothing in this file
-    old_name, old_design, shared = "METH" + "ODS", "DES" + "IGN", "..".join(["", "/shared"])
+    old_name, old_design, shared = "METH" + "ODS", "DES" + "IGN", ".." + "/shared"
     text = "\n".join([
         "ok: docs/methods.md §3.4 bug 2, `docs/methods.md` §3.2, §3.4 item 6, §6.8; DEVELOPERS.md; GOAL §3.1",
         "ok: docs/design.md\n  §12.1, docs/design.md sections 1, 3 and 8; sugarcrepe/README.md; Long-CLIP `train/x.md`",

@@ -273,6 +273,6 @@ def test_the_mulclip_limitation_quotes_the_results_printed_beside_it():
     assert verdict == "contradicted"
     assert "here mulclip scores 40.0 against 50.0 for mulclip_global_only" in line
     assert f"long_r1_beats_global_only: {verdict}" in line
-    here, record = line.split("docs/research/mulclip-terms.md")[0].rsplit(". ", 1)
+    here = line.split("docs/research/mulclip-terms.md")[0].rsplit(". ", 1)[0]      # before the record's sentence
     assert "40.0" in here and "37.3" not in here and "53.0" not in here
     assert "37.3 against 53.0" in line.split("docs/research/mulclip-terms.md")[1]
