@@ -1,4 +1,4 @@
-"""Performance measurements of clipfinetune (DESIGN.md §10, issue 15). Timing lives here, never in tests/.
+"""Performance measurements of clipfinetune (docs/design.md §10, issue 15). Timing lives here, never in tests/.
 
     nice -n 19 python -m benchmarks [--only 1,2,3] [--dag]    # --only 4 --dag: the DAG alone
 

@@ -13,7 +13,7 @@ Parts, in order, each catching its own errors and writing its rows as it finishe
 5. each recipe's DAG (`recipes/<paper>.yaml` applied after params.real.yaml in its own copy, `dvc repro`, every
    stage): its wall time, the stages it ran, the device each stage recorded, one metrics file per run.
 On a GPU a row whose peak GPU memory stays under `SILENT_GB` ran on the CPU without saying so: its status is
-"CPU!" (GPU.md: a Trainer built without a process group silently uses the CPU). On the CPU nothing is a GPU figure:
+"CPU!" (a Trainer built without a process group silently uses the CPU). On the CPU nothing is a GPU figure:
 the table's title says so. The table goes to stdout and `<out>/acceptance.md`, every row to `<out>/rows.jsonl` as it
 comes; scratch under benchmarks/_work/acceptance/. Exit 1 if a row failed. How to carry what a GPU machine lacks:
 benchmarks/README.md.

@@ -1,4 +1,4 @@
-"""open_clip's training conventions (`open_clip_train/main.py`, `train.py`; METHODS.md 0.3), in one place below both
+"""open_clip's training conventions (`open_clip_train/main.py`, `train.py`; docs/methods.md §0.3), in one place below
 the trainer and the methods: the methods' hooks default to them (`methods/base.py`) and the optimiser groups apply
 the decay rule (`train/optim.py`), so a method's code never imports the training loop."""
 from __future__ import annotations

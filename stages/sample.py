@@ -1,4 +1,4 @@
-"""Stage `sample@world`: generate the embedded sample world (DESIGN.md section 8) into data/sample, atomically.
+"""Stage `sample@world`: generate the embedded sample world (docs/design.md §8) into data/sample, atomically.
 
 dvc.yaml runs it once per entry of params `sample.build` ([world]; [] in the real-data profile, where no stage reads
 data/sample), so it is in the DAG only where the sample world is used."""

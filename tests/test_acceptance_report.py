@@ -11,7 +11,7 @@ from benchmarks import acceptance
 
 def test_gpu_work_that_left_the_gpu_memory_untouched_is_flagged_as_cpu():
     assert acceptance.gpu_status("cuda:0", 12.0) == "PASS"
-    assert acceptance.gpu_status("cuda:0", 0.03) == "CPU!"        # GPU.md: 0.03 GB means nothing ran there
+    assert acceptance.gpu_status("cuda:0", 0.03) == "CPU!"        # 0.03 GB: nothing ran there
     assert acceptance.gpu_status("cuda", None) == "CPU!"
     assert acceptance.gpu_status("cpu", 0.0) == "PASS"             # the CPU rehearsal measures no GPU memory
     assert acceptance.gpu_status("cuda:0", 12.0, ok=False) == "FAIL"

@@ -1,4 +1,4 @@
-"""Readers of the real formats (BENCHMARKS §8 fixtures) and the ARO / VALSE filters, hand-computed."""
+"""Readers of the real formats (docs/evalsets.md §8 fixtures) and the ARO / VALSE filters, hand-computed."""
 import json
 from pathlib import Path
 

@@ -98,7 +98,7 @@ def test_local_contrasts_use_only_the_samples_own_negatives(term):
 
 
 def test_tgc_differs_from_the_released_type_major_mask():
-    """The released code's mask.repeat(1, K) picks columns k*N + i of the sample-major negatives (METHODS §4.3)."""
+    """The released code's mask.repeat(1, K) picks columns k*N + i of sample-major negatives (docs/methods.md §4.3)."""
     f = make_features(4)
     f["neg_valid"] = torch.ones(B, K, dtype=torch.bool)
     all_neg = f["neg_text"].reshape(B * K, D)                      # sample-major, as the data are

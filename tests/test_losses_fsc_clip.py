@@ -103,7 +103,7 @@ def test_missing_negative_is_masked_not_a_zero_logit():
                    text_tokens=one["text_tokens"][:, [0, 1, 3]], text_mask=one["text_mask"][:, [0, 1, 3]])
     torch.testing.assert_close(module_global(one), module_global(removed))
     torch.testing.assert_close(module_local(one), module_local(removed))
-    # ... and not the authors' zero vector with logit 0 (METHODS §6.2), which changes the softmax
+    # ... and not the authors' zero vector with logit 0 (docs/methods.md §6.2), which changes the softmax
     zero_vec = dict(one, neg_text=one["neg_text"].clone(), neg_valid=torch.ones(1, K, dtype=torch.bool))
     zero_vec["neg_text"][0, 1] = 0.0
     assert not torch.allclose(module_global(one), module_global(zero_vec))

@@ -108,7 +108,7 @@ def docci_record(i):
 
 
 def test_goal_and_mulclip_mix_trains_the_temperature_and_leaves_no_parameter_without_gradient(tiny):
-    """GOAL's softmax terms train CLIP's logit_scale (METHODS §3.2); MulCLIP's sigmoid terms have their own heads.
+    """GOAL's softmax terms train CLIP's logit_scale (docs/methods.md §3.2); MulCLIP's sigmoid terms: own heads.
     In one mix MulCLIP must not freeze the shared scale, and its global head (its terms not named) must not be
     left trainable without a gradient (DDP would wait for it)."""
     terms = {"clip.contrastive": 0, "goal.contrastive": 1.0, "goal.local_contrastive": 0.5, "mulclip.word_patch": 1.0}

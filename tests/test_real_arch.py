@@ -165,7 +165,7 @@ def assert_export_matches_plain_open_clip(model, folder):
 
 # ------------------------------------------------------------------------------------------------ dense / regions
 def reference_dense(clip, x):
-    """MaskCLIP's dense map re-computed from open_clip's ViT modules (METHODS 1.2): blocks 0..L-2 as they are, the
+    """MaskCLIP's dense map from open_clip's ViT modules (docs/methods.md §1.2): blocks 0..L-2 as they are, the
     last block's attention reduced to out_proj(v_proj(ln_1(x))), then ln_post, projection, L2; [B, D, gh, gw]."""
     visual = clip.visual
     tokens = visual.conv1(x)                                           # [B, W, gh, gw]

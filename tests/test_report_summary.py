@@ -228,8 +228,9 @@ def test_editing_the_report_re_runs_report_alone():
 
 def test_the_sample_worlds_limitations_stand_with_its_claims_and_agree_with_the_records():
     """On the sample world's set, reports/summary.md and the terminal summary carry one line on binding (the oracle
-    at chance) and one on MulCLIP's local terms. Every number in a line is a measured record: it must appear in the
-    research note the line names and in the README's "Known limitations". A real set carries no such line."""
+    at chance) and one on MulCLIP's local terms, each naming the research record its numbers come from. Without a
+    mulclip run in the summary every number is a measured record: it must appear in the record the line names and
+    in the README's "Known limitations". A real set carries no such line."""
     import re
     from pathlib import Path
 
@@ -245,9 +246,10 @@ def test_the_sample_worlds_limitations_stand_with_its_claims_and_agree_with_the_
     mulclip = [line for line in lines if "MulCLIP" in line and "L_Sub" in line]
     assert len(binding) == 1 and len(mulclip) == 1
     assert "## Known limitations of the sample world" in md
+    assert "here" not in mulclip[0]                                # no mulclip run in this summary: no number of it
     for line in binding + mulclip:
         assert line[2:] in text                                    # the terminal view says the same
-        note = re.search(r"docs/research/[\w-]+\.md", line).group(0)
+        (note,) = set(re.findall(r"docs/research/[\w-]+\.md", line))
         record = (root / note).read_text()
         numbers = re.findall(r"\d+\.\d+|\d+%", line)
         assert len(numbers) >= 3
@@ -257,3 +259,20 @@ def test_the_sample_worlds_limitations_stand_with_its_claims_and_agree_with_the_
     real = report.summarize({"base": m}, "real", {"base": t})
     assert "limitations" not in report.render_markdown(real).lower()
     assert "limitations" not in report.render_text(real).lower()
+
+
+def test_the_mulclip_limitation_quotes_the_results_printed_beside_it():
+    """With mulclip and mulclip_global_only in the summary, MulCLIP's line quotes their long R@1 (the mean of both
+    directions, as the claims table prints it) and the claim's verdict; the record's numbers keep the record's name."""
+    fewer = WORSE_ON_SOME                                              # 16 of 40 hits: 40.0 in both directions
+    models = {"base": model(), "clip": model(), "mulclip": model(long_t2i=fewer, long_i2t=fewer),
+              "mulclip_global_only": model()}                         # 20 of 40: 50.0
+    sample = report.summarize({k: v[0] for k, v in models.items()}, "sample", {k: v[1] for k, v in models.items()})
+    (line,) = [ln for ln in report.render_text(sample).splitlines() if ln.startswith("- MulCLIP")]
+    verdict = sample["claims"]["mulclip"]["long_r1_beats_global_only"]["verdict"]
+    assert verdict == "contradicted"
+    assert "here mulclip scores 40.0 against 50.0 for mulclip_global_only" in line
+    assert f"long_r1_beats_global_only: {verdict}" in line
+    here = line.split("docs/research/mulclip-terms.md")[0].rsplit(". ", 1)[0]      # before the record's sentence
+    assert "40.0" in here and "37.3" not in here and "53.0" not in here
+    assert "37.3 against 53.0" in line.split("docs/research/mulclip-terms.md")[1]

@@ -13,7 +13,7 @@ from clipfinetune.methods import get_method
 from clipfinetune.runs import resolve_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-# DESIGN.md §3: the `loss.*` keys by paper, the papers' symbols (the spec the params file follows)
+# docs/design.md §3: the `loss.*` keys by paper, the papers' symbols (the spec the params file follows)
 DESIGN_LOSS_KEYS = {
     "harmoclip": {"lambda_lrc", "lambda_gr"},
     "fsc_clip": {"lambda_g", "lambda_l", "focal_gamma", "label_smoothing"},

@@ -175,7 +175,7 @@ def test_no_weight_decay_on_norms_biases_1d_params_and_logit_scale():
 
 
 def test_goals_hooks_decay_every_parameter_and_never_clamp_its_logit_scale():
-    """GOAL's code: AdamW(model.parameters(), wd) with no exclusions, and no clamp of logit_scale (METHODS.md 3.2):
+    """GOAL's code: AdamW(model.parameters(), wd) with no exclusions, no clamp of logit_scale (docs/methods.md §3.2):
     GoalMethod answers the two hooks so, and the trainer follows whatever a method answers."""
     from clipfinetune.methods.goal import GoalMethod
 

@@ -1,4 +1,4 @@
-"""ARO COCO-Order / Flickr30k-Order (BENCHMARKS §4.2): built from a BLIP-style Karpathy test list.
+"""ARO COCO-Order / Flickr30k-Order (docs/evalsets.md §4.2): built from a BLIP-style Karpathy test list.
 
 Every caption becomes one five-way case: [original, shuffle_nouns_and_adj, shuffle_allbut_nouns_and_adj,
 shuffle_within_trigrams, shuffle_trigrams], each passed through BLIP's `pre_caption(max_words=30)`.

@@ -1,4 +1,4 @@
-"""Box (region) classification from RoIAlign'd dense features (CLIPSelf / FineCLIP, BENCHMARKS §5).
+"""Box (region) classification from RoIAlign'd dense features (CLIPSelf / FineCLIP, docs/evalsets.md §5).
 
 Readers (COCO instances, COCO panoptic, LVIS; which boxes count): `clipfinetune.data.benchmarks.box_cls`. Features: `model.region_features` on the squash-resized image, boxes
 mapped from original to input pixels by `clipfinetune.boxes.resize_boxes` (FineCLIP's transform).

@@ -1,4 +1,4 @@
-"""Compositionality: SugarCrepe, ARO VG-Relation / VG-Attribution, VALSE, Winoground (BENCHMARKS §4).
+"""Compositionality: SugarCrepe, ARO VG-Relation / VG-Attribution, VALSE, Winoground (docs/evalsets.md §4).
 COCO/Flickr-Order live in `aro_order.py`; the readers in `clipfinetune.data.benchmarks.compositionality`.
 
 Tie rules follow each official script: SugarCrepe `pos > neg` (strict; ties wrong); ARO VG-R/VG-A

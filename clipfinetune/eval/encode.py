@@ -27,7 +27,7 @@ ImageKey = tuple  # (path: str, crop: tuple[float, float, float, float] | None)
 # Resize of each benchmark's official protocol. open_clip's preprocess (short side to the input size, then centre
 # crop: "shortest") in the retrieval (CLIP_benchmark, open_clip, GOAL's retrieval_goal.py / mAP script, Long-CLIP),
 # zero-shot (open_clip, CLIP_benchmark) and compositionality (SugarCrepe, ARO, VALSE, Winoground) scripts;
-# FineCLIP's box classification squash-resizes (`Resize((s, s))`, METHODS.md §1.3), so boxes map by scaling.
+# FineCLIP's box classification squash-resizes (`Resize((s, s))`, docs/methods.md §1.3), so boxes map by scaling.
 PROTOCOL_RESIZE = {"retrieval": "shortest", "long_retrieval": "shortest", "global_local": "shortest",
                    "box_cls": "squash", "box_cls_hard": "squash", "sugarcrepe": "shortest", "aro": "shortest",
                    "valse": "shortest", "winoground": "shortest", "zeroshot": "shortest"}

@@ -1,6 +1,6 @@
-"""GOAL's global-local mAP@10 (`mAP_goal_jointtest.py`, BENCHMARKS §7) in two modes.
+"""GOAL's global-local mAP@10 (`mAP_goal_jointtest.py`, docs/evalsets.md §7) in two modes.
 
-Test list (BENCHMARKS §7.1, written by the `lism` stage, read by `clipfinetune.data.benchmarks.global_local`):
+Test list (docs/evalsets.md §7.1, written by the `lism` stage, read by `clipfinetune.data.benchmarks.global_local`):
 global and local records, grouped by image.
 
 * mode "linked" (the intended protocol; reported as the headline): I2T - a global query's relevant

@@ -1,4 +1,4 @@
-"""Image-text retrieval (COCO Karpathy 5K, Flickr30k 1K): I->T / T->I R@K (BENCHMARKS §1.6, §1.7, §2) on a
+"""Image-text retrieval (COCO Karpathy 5K, Flickr30k 1K): I->T / T->I R@K (docs/evalsets.md §1.6, §1.7, §2) on a
 `RetrievalSet` (its readers: `clipfinetune.data.benchmarks.retrieval`).
 
 I->T: an image query is a hit when ANY of its ground-truth captions is in the top K (min-rank over

@@ -1,4 +1,4 @@
-"""Zero-shot classification, open_clip / CLIP_benchmark style (BENCHMARKS §6).
+"""Zero-shot classification, open_clip / CLIP_benchmark style (docs/evalsets.md §6).
 
 Layout and templates: `clipfinetune.data.benchmarks.zeroshot` (ImageFolder, classnames.txt, templates).
 Classifier: per class, mean of the normalised template embeddings, renormalised (open_clip

@@ -20,7 +20,7 @@ Teacher features are detached here (defensively; the EMA update lives in the mod
 (already weighted): ``contrastive`` (L_base), ``igc``, ``tgc``, ``distill``.
 
 What this module decides that the paper leaves open (authors' code: xiaoxing2001/DeGLA@1c5e960
-``src/open_clip/loss.py`` ``CLIPloss_DeGLA`` — METHODS.md §4.3, §6.11-6.13):
+``src/open_clip/loss.py`` ``CLIPloss_DeGLA`` — docs/methods.md §4.3, §6.11-6.13):
 - L_base (eq. 4-5): image->text over all gathered positives plus EVERY sample's K negatives as extra columns
   (eq. 4 as printed sums t-bar_{i,k} inside sum_j; its own text, "t-bar_{j,k} denotes the k-th negative of the
   j-th text", and the code use all samples' negatives, NegCLIP style); text->image over positives only. Columns
@@ -30,7 +30,7 @@ What this module decides that the paper leaves open (authors' code: xiaoxing2001
 - L_TGC (eq. 9): anchor = student t_i; candidates = teacher t*_i and the sample's own K student negatives;
   logits = ``tgc_logit_scale`` * cos (10 in the code, i.e. tau = 0.1, fixed). The authors' code masks with
   ``mask_0.repeat(1, K)``, which assumes a negative-type-major layout while its data are sample-major, so each
-  row mostly contrasts OTHER samples' negatives (METHODS §4.3). That is a bug; we implement the paper's intent:
+  row mostly contrasts OTHER samples' negatives (docs/methods.md §4.3). That is a bug; we implement the paper's intent:
   the sample's own negatives.
 - L_Distill (eq. 7): squared L2 between student and teacher normalised embeddings of images, positives and
   (valid) negatives, SUMMED over the batch (eq. 7 and the code's ``reduction='sum'``). Per-sample, so it stays
@@ -89,7 +89,7 @@ def image_grounded_contrast_loss(image, text, neg_text, neg_valid, logit_scale) 
 def text_grounded_contrast_loss(text, teacher_text, neg_text, neg_valid, tgc_logit_scale) -> torch.Tensor:
     """L_TGC (eq. 9): student t_i against the teacher's t*_i and its OWN negatives t-bar_{i,k}.
 
-    Paper's intent, not the released mask (which selects other samples' negatives, METHODS §4.3/§6.11).
+    Paper's intent, not the released mask (which selects other samples' negatives, docs/methods.md §4.3/§6.11).
     """
     return own_negative_choice_loss(text, teacher_text.detach(), neg_text, neg_valid, tgc_logit_scale)
 

@@ -20,7 +20,7 @@ Returned terms (already weighted): ``contrastive`` (L_clip), ``global_hn`` (lamb
 (lambda_l L^l_neg).
 
 What this module decides that the paper leaves open (and how the authors' code, ytaek-oh/fsc-clip@604015d
-``src/training/losses/loss.py``, does it — METHODS.md §2.3, §6.1-6.3):
+``src/training/losses/loss.py``, does it — docs/methods.md §2.3, §6.1-6.3):
 - L_clip uses positives only: hard negatives are NOT extra in-batch columns (as the code's ``Global_HNLoss``).
   It gathers across ranks (``common.clip_contrastive_loss``); the HN losses are per-sample and use local
   features only, as in the code.

@@ -3,9 +3,9 @@
     L_total = lambda_global L_global + lambda_local L_local + lambda_TSL L_TSL                   # eq. (11)
 
 with lambda_global = 1, lambda_local = 0.5, lambda_TSL = 1 (§4.1). lambda_local multiplies the segment-level
-CLIP loss L_local, not the TSL terms (METHODS.md §6.7).
+CLIP loss L_local, not the TSL terms (docs/methods.md §6.7).
 
-What the paper leaves open, as the authors' code decides it (METHODS.md §3.2, §6.6) and as we do:
+What the paper leaves open, as the authors' code decides it (docs/methods.md §3.2, §6.6) and as we do:
 
 * **L_TSL target (`tsl_target`).** Eq. (14) as written compares an n x n similarity matrix with the identity.
   The authors' code (which produced the published numbers) computes the matrix but uses only its diagonal:
@@ -18,7 +18,7 @@ What the paper leaves open, as the authors' code decides it (METHODS.md §3.2, �
   encoder output BEFORE the final LayerNorm, mean-pooled, then final norm + projection
   (`model.pool_image_hidden` / `model.pool_text_hidden`). The loss receives the pooled embeddings.
   The authors' box-scaling, centre-crop, hard-coded patch-size, span off-by-one and multi-GPU gather-order
-  bugs (METHODS.md §3.4, items 1-5) belong to that glue; here L_global and L_local gather image and text
+  bugs (docs/methods.md §3.4, items 1-5) belong to that glue; here L_global and L_local gather image and text
   separately (`common.gather_features`), which avoids bug 5.
 * **Images without a local pair** (LISM found none, or the global image won) train on L_global only: they are
   neither rows nor columns of L_local and take no part in L_TSL (`local_valid` False).

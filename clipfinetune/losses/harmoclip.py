@@ -3,7 +3,7 @@
     L = L_GC + lambda_lrc * L_LRC + lambda_gr * L_GR                                              # eq. (9)
 
 The paper writes eq. (9) with unit weights; lambda_lrc and lambda_gr (default 1) are ours, for the ablations.
-The authors' code could not be read (METHODS.md §1.1), so everything below that the paper leaves open is our
+The authors' code could not be read (docs/methods.md §1.1), so everything below that the paper leaves open is our
 decision:
 
 * **Lexeme feature l_i (eqs. 3-4).** The paper takes the word's hidden state h_{token_idx} from the text
@@ -16,7 +16,7 @@ decision:
   that only carries h into r_i's space, so L_LRC trains the text transformer and ln_final, never the
   projection shared with t_i. (Comparing the raw width-W states with r_i directly is possible only when W = D
   and would align two unrelated bases, so we do not.) The earlier variant, `lexeme_projection_grad=True`,
-  lets the L_LRC gradient into the projection too (FSC-CLIP's projected tokens, METHODS.md §1.4). Either way
+  lets the L_LRC gradient into the projection too (FSC-CLIP's projected tokens, docs/methods.md §1.4). Either way
   the method hands this loss `text_tokens` = the projected token states of `model.text_features(tok,
   detach_token_projection=not lexeme_projection_grad)`; the values are the same, only the gradient path differs.
 * **Multi-token words.** A word split into several BPE tokens is mean-pooled over its tokens
@@ -30,13 +30,13 @@ decision:
   Contrastive Learning").
 * **Padding never enters the softmax.** A sample whose pair is invalid (`pair_valid` False, or an empty
   `word_mask`) is neither a row nor a column of L_LRC nor a term of L_GR (FineCLIP's zero-padded rows stay in
-  its softmax, METHODS.md §1.2 pitfall; we do not repeat that).
+  its softmax, docs/methods.md §1.2 pitfall; we do not repeat that).
 * **Same-category false negatives** (`mask_same_category`, default False = eq. 7 as written): when on, an
   off-diagonal pair (i, j) whose words name the same category is removed from both softmaxes; the diagonal
   always stays.
 * **L_GR target (eq. 8).** E_i is a FROZEN teacher CLIP's embedding of the region crop (computed by the caller
   under no_grad); the loss detaches it again so no gradient can reach the teacher. This deliberately differs
-  from FineCLIP, whose "teacher" crop embedding is the live student (METHODS.md §6.16). L_GR is a per-sample
+  from FineCLIP, whose "teacher" crop embedding is the live student (docs/methods.md §6.16). L_GR is a per-sample
   term (no gather), averaged over the valid pairs of the rank.
 
 Features dict expected by `HarmoClipLoss.forward` (B = per-rank batch, L = text length, D = embed dim):

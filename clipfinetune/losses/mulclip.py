@@ -3,7 +3,7 @@
 
     L_total = L_global + lambda_W L_Word(v', t') + lambda_S L_Sub(v', t_eot^sub)                   # eq. (11)
 
-with lambda_short = 0.5, lambda_W = lambda_S = 1 (§4.1). No public code exists (METHODS.md §5); every choice the
+with lambda_short = 0.5, lambda_W = lambda_S = 1 (§4.1). No public code exists (docs/methods.md §5); every choice the
 paper leaves open is ours:
 
 * **L_contrast** is SigLIP's sigmoid loss (§3.2 "We adopt a sigmoid-based contrastive loss ... for all

@@ -52,7 +52,7 @@ class ContrastHead(nn.Module):
 
     `sigmoid` (SigLIP, Zhai et al. 2023): logits = exp(logit_scale) * cos + logit_bias, initialised as SigLIP
     and open_clip (scale 10, bias -10). `softmax` (CLIP InfoNCE): logits = exp(logit_scale) * cos, initialised
-    at ln 100, the pretrained CLIP value Long-CLIP also re-initialises to (METHODS.md §0.1); no bias.
+    at ln 100, the pretrained CLIP value Long-CLIP also re-initialises to (docs/methods.md §0.1); no bias.
     """
 
     def __init__(self, kind: str = "sigmoid"):

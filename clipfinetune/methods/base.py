@@ -2,11 +2,11 @@
 
 The trainer knows a method only through this interface; a new method is a new subclass, never a branch in the
 loop. What differs between methods is a hook here, called by the trainer without asking who answers; the defaults
-are open_clip's conventions (`clipfinetune/conventions.py`, METHODS.md 0.3; a method never imports the trainer).
+are open_clip's conventions (`clipfinetune/conventions.py`, docs/methods.md §0.3; a method never imports the trainer).
 Construction: `cls(**config)`, where `config` is the run's resolved constructor kwargs (clipfinetune/runs.py: its
 loss weights from params `loss`, what `runs.<run>` changes (`terms`, `unlocked_vision_layers`, `max_sentences`, ...),
 and the keys of `train.<method>` that the method lists in `train_keys`, e.g. MulCLIP's `new_module_lr`).
-A subclass either names its keyword arguments (a typo in params.yaml then fails loudly) or reads `self.config`.
+A subclass names its keyword arguments, so that a typo in params.yaml fails loudly.
 
 Features returned by `build(model)(batch)` must be tensors whose dim 0 indexes the batch's samples, or 0-dim
 tensors shared by the batch (e.g. `logit_scale`): with `accum_steps > 1` the loop concatenates micro-batches'
@@ -20,7 +20,7 @@ Every trainable parameter must get a gradient at every step (freeze what a run d
 from __future__ import annotations
 
 import random
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,9 +35,6 @@ class Method:
     terms: ClassVar[dict[str, str | None]] = {}
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     epoch_unit: str = "image"                   # what the paper's epoch iterates: image | caption | word_region
-
-    def __init__(self, **config: Any):
-        self.config = dict(config)
 
     # ----------------------------------------------------------------------------------- data (loader workers)
     def wants(self, record: dict) -> bool:

@@ -138,7 +138,6 @@ class CustomMethod(Method):
     epoch_unit = "image"            # a mix: its methods' units differ, so one example per image (each draws its own)
 
     def __init__(self, terms: dict | None = None):
-        super().__init__(terms=dict(terms or {}))
         self.weights = parse_terms(terms or {})
         self.methods: dict[str, Method] = {m: build_method(m, **method_config(m, ts))
                                            for m, ts in self.weights.items()}

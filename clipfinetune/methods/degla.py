@@ -99,8 +99,6 @@ class DeglaMethod(Method):
 
     def __init__(self, lambda_igc: float = 0.1, lambda_tgc: float = 0.1, lambda_distill: float = 0.005,
                  ema_alpha: float = 0.9996, tgc_logit_scale: float = 10.0):
-        super().__init__(lambda_igc=lambda_igc, lambda_tgc=lambda_tgc, lambda_distill=lambda_distill,
-                         ema_alpha=ema_alpha, tgc_logit_scale=tgc_logit_scale)
         self.lambda_igc, self.lambda_tgc = float(lambda_igc), float(lambda_tgc)
         self.lambda_distill, self.ema_alpha = float(lambda_distill), float(ema_alpha)
         self.tgc_logit_scale = float(tgc_logit_scale)

@@ -2,7 +2,7 @@
 
 Data: a shard record with short captions (any source: COCO, image-text pairs; long-caption-only records are skipped).
 Each step draws one caption with the loader's `rng` and FRESH rule negatives for it (`rule_negatives(caption, rng)`:
-negclip swap, WordNet replace, bi-gram shuffle, METHODS §2.2, `data/negatives/rules.py`, run in the loader workers),
+negclip swap, WordNet replace, bi-gram shuffle, docs/methods.md §2.2, `data/negatives/rules.py`, in the loader workers),
 so every epoch sees new negatives, as the authors' loader does. Example:
 
     image      [3, S, S]
@@ -17,7 +17,7 @@ gradient-accumulation micro-batches' features concatenate along dim 0 (the loss 
 With lambda_l = 0 neither patch nor token states are formed (`encode_image`/`encode_text` only pool CLS/EOT); with
 lambda_g = lambda_l = 0 the negatives are not even encoded.
 
-LoRA variant (FSC-CLIP's `--lora-rank 4`, METHODS §2.4), off by default and not in dvc.yaml: `lora_rank > 0` puts
+LoRA variant (FSC-CLIP's `--lora-rank 4`, docs/methods.md §2.4), off by default, not in dvc.yaml: `lora_rank > 0` puts
 LoRA on both towers with the authors' init (`apply_lora(..., init="fsc_clip")`: alpha 1, patch-embed conv LoRA,
 xavier-initialised q/k/v LoRA) and trains ONLY the LoRA weights (the logit scale is frozen, as the authors'
 `mark_only_lora_as_trainable`). Decision: the 10x learning rate of the authors' LoRA runs (5e-5 vs 5e-6) is not a
@@ -80,9 +80,6 @@ class FscClipMethod(CaptionUnits, Method):
     def __init__(self, lambda_g: float = 0.5, lambda_l: float = 0.5, focal_gamma: float = 2.0,
                  label_smoothing: float = 0.02, lhn_weighting: str = "minmax", lora_rank: int = 0,
                  lora_lr: float | None = None):
-        super().__init__(lambda_g=lambda_g, lambda_l=lambda_l, focal_gamma=focal_gamma,
-                         label_smoothing=label_smoothing, lhn_weighting=lhn_weighting, lora_rank=lora_rank,
-                         lora_lr=lora_lr)
         self.lambda_g, self.lambda_l = float(lambda_g), float(lambda_l)
         self.focal_gamma, self.label_smoothing = float(focal_gamma), float(label_smoothing)
         self.lhn_weighting = lhn_weighting

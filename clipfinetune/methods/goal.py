@@ -2,7 +2,7 @@
 
 Data: a shard record with a long caption (DOCCI; records with short captions only are skipped). Example:
 
-    image        [3, S, S]   ctx.transform(image) (squash resize; GOAL's processor centre-crops, METHODS §3.4 bug 2)
+    image        [3, S, S]   ctx.transform(image) (squash resize; GOAL's centre-crops, docs/methods.md §3.4 bug 2)
     text         [L]         the long caption, ctx.tokenize_long (L = 248, Long-CLIP context)
     and, unless the run is global-only (lambda_local = lambda_tsl = 0):
     local_image  [3, S, S]   the LISM box cropped from the original image (background kept, NOT enlarged), transformed
@@ -18,7 +18,7 @@ return both from one). Region pooled = `pool_image_hidden`(mean of the pre-ln_po
 `model.box_patch_mask(box)`); sentence pooled = `pool_text_hidden`(mean of the pre-ln_final long-caption states under
 `span_mask`).
 
-Decisions the paper leaves open / where we differ from the authors' code (METHODS §3.2, §3.4):
+Decisions the paper leaves open / where we differ from the authors' code (docs/methods.md §3.2, §3.4):
 - Box -> patches uses the model's OWN image size and patch size (`box_patch_mask`, every touched patch), on a box
   mapped by the same squash resize as the image: not the hard-coded 224/16, not the crop-size scaling (bugs 1-3).
 - The span is the tokenizer's real span of the sentence's character span in the long caption (`token_span` at the
@@ -29,9 +29,10 @@ Decisions the paper leaves open / where we differ from the authors' code (METHOD
   image) is kept for L_global with `local_valid` False; its crop slot holds the whole image, its sentence slot the
   empty text, its box the whole image (finite placeholders that the loss never reads). Their crops still run through the towers (static shapes
   for DDP and the accumulation cache); the loss counts them in `stats["n_global_only"]`.
-- Long-CLIP stretching happens in `build()`, GOAL's port: all 248 rows trainable (`freeze_kept=False`, METHODS
+- Long-CLIP stretching in `build()`, GOAL's port: all 248 rows trainable (`freeze_kept=False`, docs/methods.md
   §0.1, §6.10); a model whose context is already 248 is left as it is (e.g. a Long-CLIP base).
-- The trainer has no hook for the loss's `stats` counts (they stay on `GoalLoss.stats` after every call).
+- The loss's counts stay on the device in `GoalLoss.stats` after every call; the step never reads them (a host
+  read would sync), tests do.
 """
 from __future__ import annotations
 
@@ -104,8 +105,6 @@ class GoalMethod(Method):
 
     def __init__(self, lambda_global: float = 1.0, lambda_local: float = 0.5, lambda_tsl: float = 1.0,
                  tsl_target: str = "diag"):
-        super().__init__(lambda_global=lambda_global, lambda_local=lambda_local, lambda_tsl=lambda_tsl,
-                         tsl_target=tsl_target)
         self.lambda_global, self.lambda_local = float(lambda_global), float(lambda_local)
         self.lambda_tsl, self.tsl_target = float(lambda_tsl), tsl_target
         if tsl_target not in ("diag", "identity"):
@@ -140,7 +139,7 @@ class GoalMethod(Method):
                     span_mask=span_mask, local_valid=torch.tensor(True), span_valid=torch.tensor(bool(span)))
 
     # goal_loss_finetuning.py: AdamW(model.parameters(), lr, weight_decay=0.05), no param groups, and no clamp of
-    # logit_scale in the loop (METHODS.md 3.2, 3.4 item 6, 6.8)
+    # logit_scale in the loop (docs/methods.md §3.2, §3.4 item 6, §6.8)
     def no_weight_decay(self, name: str, param: torch.Tensor) -> bool:
         return False                                          # every parameter decays
 

@@ -120,8 +120,6 @@ class HarmoClipMethod(Method):
 
     def __init__(self, lambda_lrc: float = 1.0, lambda_gr: float = 1.0, unlocked_vision_layers: int = -1,
                  mask_same_category: bool = False, lexeme_projection_grad: bool = False):
-        super().__init__(lambda_lrc=lambda_lrc, lambda_gr=lambda_gr, unlocked_vision_layers=unlocked_vision_layers,
-                         mask_same_category=mask_same_category, lexeme_projection_grad=lexeme_projection_grad)
         self.lambda_lrc, self.lambda_gr = float(lambda_lrc), float(lambda_gr)
         self.unlocked_vision_layers = int(unlocked_vision_layers)
         self.mask_same_category = bool(mask_same_category)

@@ -1,4 +1,4 @@
-"""MulCLIP: the data and forward glue around `losses.mulclip.MulClipLoss` (no public code; METHODS.md §5).
+"""MulCLIP: the data and forward glue around `losses.mulclip.MulClipLoss` (no public code; docs/methods.md §5).
 
 Data: a shard record with a long caption and its sentences (sentence 0 = the summary). Example:
 
@@ -16,17 +16,17 @@ sentences. Placeholders of missing sentences are not encoded; their slots stay z
 
 Decisions the paper leaves open (besides those of the loss module):
 - Long-CLIP stretching in `build()` with the first 20 rows frozen (`freeze_kept=True`, Long-CLIP's split; MulCLIP
-  builds on Long-CLIP, METHODS §0.1); a model whose context is already 248 is left as it is.
+  builds on Long-CLIP, docs/methods.md §0.1); a model whose context is already 248 is left as it is.
 - The built module owns the `MulClipLoss` (`module.new_modules`), so its calibration modules and contrast heads are
   parameters of the module the trainer optimises, DDP wraps and checkpoints; `loss()` returns that same instance
   (call it after `build()`, as the trainer does), so they are optimised exactly once. `param_groups` puts them in
   the `new_modules` group at `new_module_lr` (the trainer's decay rule leaves the heads' scale/bias and the
   calibrations' log-temperature without weight decay).
 - The model's own `logit_scale` is unused by the sigmoid loss (§3.2: every L_contrast is sigmoid, with its own
-  learnable scale and bias; METHODS §5). Trained alone, MulCLIP freezes it (`requires_grad=False`) so it neither
+  learnable scale and bias; docs/methods.md §5). Trained alone, MulCLIP freezes it (`requires_grad=False`) so it neither
   drifts under weight decay nor leaves DDP waiting for its gradient. In a `custom` mix it is NOT MulCLIP's to
   freeze: it is the learnable temperature of the other methods' softmax terms (GOAL's L_global and local
-  contrast train it, METHODS §3.2, no clamp), so each term keeps its own paper's temperature and `custom`
+  contrast train it, docs/methods.md §3.2, no clamp), so each term keeps its own paper's temperature and `custom`
   freezes it only if no method uses it (`unused_model_parameters` here).
   New modules a run never uses are frozen as well (global-only: both calibrations and the word/sub heads;
   lambda_word = 0: the text calibration and the word head; lambda_sub = 0: the sub head; in a mix naming
@@ -90,8 +90,6 @@ class MulClipMethod(Method):
 
     def __init__(self, lambda_short: float = 0.5, lambda_word: float = 1.0, lambda_sub: float = 1.0,
                  token_ratio: float = 0.5, max_sentences: int = 15, new_module_lr: float | None = None):
-        super().__init__(lambda_short=lambda_short, lambda_word=lambda_word, lambda_sub=lambda_sub,
-                         token_ratio=token_ratio, max_sentences=max_sentences, new_module_lr=new_module_lr)
         self.lambda_short, self.lambda_word = float(lambda_short), float(lambda_word)
         self.lambda_sub, self.token_ratio = float(lambda_sub), float(token_ratio)
         self.max_sentences = int(max_sentences)

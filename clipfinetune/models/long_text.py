@@ -1,6 +1,6 @@
 """Long-CLIP "knowledge-preserved stretching" of the text positional embedding (77 -> 248).
 
-Following Long-CLIP (`model/longclip.py` load_from_clip, METHODS 0.1): rows 0..keep-1 are copied,
+Following Long-CLIP (`model/longclip.py` load_from_clip, docs/methods.md §0.1): rows 0..keep-1 are copied,
 rows keep+r*i+j = (1 - j/r) P[keep+i] + (j/r) P[keep+i+1], and the last r rows extrapolate linearly past
 P[n-1]. `length = keep + r * (n - keep)`; 248 for n = 77, keep = 20, r = 4.
 

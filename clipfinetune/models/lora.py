@@ -6,7 +6,7 @@ it. We subclass the three torch modules instead; a LoRA module keeps the base mo
 (`in_proj_weight`, `out_proj.weight`, `c_fc.weight`, ...) plus `lora_A`, `lora_B` and a persistent
 `lora_scaling` buffer, so checkpoints are self-describing and `merge_lora` gives back plain modules.
 
-Decisions (METHODS 2.4, 6.4):
+Decisions (docs/methods.md §2.4, §6.4):
 - `init="zero"`: every LoRA starts with A ~ Kaiming-uniform, B = 0, so the model is unchanged; alpha
   defaults to the rank (scaling 1).
 - `init="fsc_clip"`: FSC-CLIP's `lora_layers.py`: alpha defaults to 1 (scaling 1/r); LoRA also on the

@@ -1,7 +1,7 @@
 """Region-level features: MaskCLIP's attention-free last block, RoIAlign over boxes, box -> patches.
 
 Decisions the papers leave open:
-- Dense features follow FineCLIP/CLIPSelf (METHODS 1.2): blocks 0..L-2 run normally, the last block
+- Dense features follow FineCLIP/CLIPSelf (docs/methods.md §1.2): blocks 0..L-2 run normally, the last block
   keeps only the value path of its attention (`out_proj(v_proj(ln_1(x)))`, v bias kept, no q/k, no
   softmax) and its MLP; CLS dropped; `ln_post`, projection, and every location L2-normalised.
 - Boxes are given in *input pixels* (after `boxes.resize_boxes`), mapped to grid units by the model's own

@@ -1,4 +1,4 @@
-"""ARO VG-Relation / VG-Attribution cases over dedicated scenes (BENCHMARKS.md section 4.2).
+"""ARO VG-Relation / VG-Attribution cases over dedicated scenes (docs/evalsets.md §4.2).
 
 VG-Relation uses only asymmetric spatial relations (none is on ARO's "symmetric" exclusion list):
 "the red circle is above the blue star" vs "the blue star is above the red circle"; the relation

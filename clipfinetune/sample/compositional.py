@@ -1,4 +1,4 @@
-"""SugarCrepe-style hard negatives over the val scenes (seven files, BENCHMARKS.md section 4.1).
+"""SugarCrepe-style hard negatives over the val scenes (seven files, docs/evalsets.md §4.1).
 
 A case is built from structured mentions of the scene (never by editing strings), and its negative
 changes exactly one thing so that it becomes false for the image:

@@ -1,6 +1,6 @@
-"""Scene records -> the benchmarks' real on-disk formats (BENCHMARKS.md sections 1, 3.1, 4, 5, 6).
+"""Scene records -> the benchmarks' real on-disk formats (docs/evalsets.md §1, §3.1, §4, §5, §6).
 
-Pure functions returning JSON-ready objects; `world.py` writes them. Keys follow BENCHMARKS.md:
+Pure functions returning JSON-ready objects; `world.py` writes them. Keys follow docs/evalsets.md:
 COCO instances/captions (1.2, 1.3), Karpathy dataset_coco.json and the BLIP test list (1.6 a/b),
 DOCCI jsonlines (3.1), box-classification instances (5), zero-shot ImageFolder names (6).
 """

@@ -26,7 +26,7 @@ class TrainConfig:
     warmup: int = 0                 # linear warm-up, optimiser steps
     wd: float = 0.0
     beta1: float = 0.9
-    beta2: float = 0.98             # open_clip's ViT defaults (METHODS.md 0.3)
+    beta2: float = 0.98             # open_clip's ViT defaults (docs/methods.md §0.3)
     eps: float = 1e-6
     grad_clip: float = 0.0          # max global grad norm; 0 = off
     accum_steps: int = 1

@@ -8,7 +8,7 @@ step, what to do after it); the loop calls them without asking which method it t
   at a given micro-batch position (resume). It must not consume the global RNGs (pass DataLoader a generator).
   Epoch e is `source.epoch_length(e) // accum_steps` optimiser steps (epochs may differ: the shard loader cuts
   one stream of passes into global batches, data/loader.py); a trailing partial group of micro-batches is dropped.
-- Gradient accumulation is open_clip's feature cache (ECOSYSTEM.md 1.7): a no-grad pass computes every
+- Gradient accumulation is open_clip's feature cache (docs/design.md §12.1): a no-grad pass computes every
   micro-batch's features; then each micro-batch is recomputed with grad, substituted into the cached set, and the
   loss of the WHOLE step's batch is back-propagated. The summed gradients equal one step on the full batch (in-batch
   negatives span all `batch_size` samples; exact for every term that is a function of the concatenated features;

@@ -1,6 +1,6 @@
 """AdamW with open_clip's parameter groups, and the cosine schedule with linear warm-up.
 
-open_clip (`open_clip_train/main.py`, METHODS.md 0.3): parameters with `ndim < 2` or whose name contains
+open_clip (`open_clip_train/main.py`, docs/methods.md §0.3): parameters with `ndim < 2` or whose name contains
 `bn`, `ln`, `bias` or `logit_scale` get no weight decay (`conventions.no_weight_decay`); every other trainable
 parameter gets `wd`. The rule is a function, so a caller may pass another (`Method.no_weight_decay`). Extra
 groups claim parameters for their own learning rate (`Method.param_groups`); those are split by the same decay

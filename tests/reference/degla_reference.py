@@ -1,6 +1,6 @@
 """Float64 per-sample reference of DeGLA's losses, written from the paper's equations (DeGLA §3.3, eq. 4-10).
 
-Imports nothing from clipfinetune. Conventions fixed by METHODS.md and the module docstring: every sample's
+Imports nothing from clipfinetune. Conventions fixed by docs/methods.md and the module docstring: every sample's
 valid negatives are extra image->text columns in eq. (4) (t-bar_{j,k}); missing negatives are excluded from
 every sum; rows without a valid negative are dropped from IGC/TGC; tau = 1 / logit_scale.
 """

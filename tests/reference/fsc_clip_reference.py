@@ -2,7 +2,7 @@
 
 Imports nothing from clipfinetune. Every function loops over samples / candidates / tokens and evaluates the
 equations literally (exp of similarities, ratios, sums) so that it shares no code path with the module.
-Conventions fixed by METHODS.md and the module docstring: missing negatives are excluded from the choice and
+Conventions fixed by docs/methods.md and the module docstring: missing negatives are excluded from the choice and
 from the labels; rows without a valid negative are dropped; label smoothing spreads beta over the 1 + n_i
 valid candidates; tau = 1 / logit_scale.
 """

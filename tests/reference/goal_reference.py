@@ -1,4 +1,4 @@
-"""Float64 per-sample reference for GOAL's losses, written from the paper's equations and METHODS.md §3.2
+"""Float64 per-sample reference for GOAL's losses, written from the paper's equations and docs/methods.md §3.2
 (imports nothing from clipfinetune)."""
 import math
 

@@ -1,5 +1,5 @@
 """The real-data profile end to end: params.real.yaml applied as a user would, on a miniature tree in the real
-layouts (BENCHMARKS §8, tests/fixtures/real_tree.py), through `dvc repro eval@clip`, in a throw-away copy.
+layouts (docs/evalsets.md §8, tests/fixtures/real_tree.py), through `dvc repro eval@clip`, in a throw-away copy.
 
 Only compute is scaled down: one epoch, tiny batches, no loader workers, a tiny exported CLIP standing in for the
 pretrained weights (`model.pretrained: local-dir:...`, also the LISM matcher), no SAM checkpoint (the documented CPU

@@ -1,4 +1,4 @@
-"""Box (region) classification sets (BENCHMARKS §5): COCO instances (`instances_*.json`), COCO panoptic
+"""Box (region) classification sets (docs/evalsets.md §5): COCO instances (`instances_*.json`), COCO panoptic
 (`panoptic_*.json` + id PNGs) and LVIS (`lvis_v1_val.json`) -> `BoxSet` (the evaluation is `clipfinetune.eval.box_cls`).
 
 Label = index of the category id in the sorted category ids. Boxes: thing / instance -> GT bbox; panoptic stuff ->

@@ -1,4 +1,4 @@
-"""Compositionality sets (BENCHMARKS §4): SugarCrepe, ARO VG-Relation / VG-Attribution, VALSE, Winoground, each
+"""Compositionality sets (docs/evalsets.md §4): SugarCrepe, ARO VG-Relation / VG-Attribution, VALSE, Winoground, each
 read as its official release lays it out (the evaluation is `clipfinetune.eval.compositionality`)."""
 from __future__ import annotations
 

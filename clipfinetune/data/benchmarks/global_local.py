@@ -1,4 +1,4 @@
-"""GOAL's joint global+local test list (BENCHMARKS §7.1): the one reader and the one writer of its format.
+"""GOAL's joint global+local test list (docs/evalsets.md §7.1): the one reader and the one writer of its format.
 
 The `lism` stage writes it (`write_items` inside its work units, `place_files` and `write_test_list` when rank 0
 assembles them); the evaluation (`eval.global_local`, through `data.benchmarks.sets.read_set`) reads it back

@@ -1,4 +1,4 @@
-"""Long-caption retrieval sets (DOCCI, DCI, Urban1k, GOAL lists, BENCHMARKS §3): one caption per image ->
+"""Long-caption retrieval sets (DOCCI, DCI, Urban1k, GOAL lists, docs/evalsets.md §3): one caption per image ->
 `RetrievalSet` (the evaluation is `clipfinetune.eval.long_retrieval`)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Image-text retrieval sets (COCO Karpathy 5K, Flickr30k 1K, BENCHMARKS §1.6, §1.7, §2): one reader per format in
+"""Image-text retrieval sets (COCO Karpathy 5K, Flickr30k 1K, docs/evalsets.md §1.6, §1.7, §2): one reader per format in
 circulation -> `RetrievalSet` (the evaluation is `clipfinetune.eval.retrieval`)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Zero-shot classification sets, open_clip / CLIP_benchmark layout (BENCHMARKS §6) -> `ZeroShotSet` (the
+"""Zero-shot classification sets, open_clip / CLIP_benchmark layout (docs/evalsets.md §6) -> `ZeroShotSet` (the
 evaluation is `clipfinetune.eval.zeroshot`).
 
 Layout: `<dir>/test/<class folder>/*.{jpg,png,...}` (ImageFolder: class index = sorted folder names),

@@ -1,7 +1,7 @@
 """FSC-CLIP's online rule-based hard negatives: negclip swap, WordNet replace, bi-gram shuffle.
 
 The recipe is CLoVe's (`Netflix/clove`, mirrored by `ytaek-oh/fsc-clip`
-`src/training/text_negatives/`), as fixed in METHODS §0.2, §2.2 and §6.5. Our code is our own; where
+`src/training/text_negatives/`), as fixed in docs/methods.md §0.2, §2.2 and §6.5. Our code is our own; where
 it departs from the public code it says so:
 
 - **negclip**: six span lists (noun chunks > 2 tokens, verb phrases `VERB? ADV* AUX* VERB+`, NN, NNS,
@@ -126,7 +126,7 @@ def online_negatives(caption: str, rng: random.Random) -> dict[str, str | None]:
     """FSC-CLIP's three rule negatives for one caption, freshly sampled with `rng`.
 
     Returns {"negclip": str|None, "replace": str|None, "shuffle": str|None}; None when the caption
-    yields no negative of that type (the loss masks it out, METHODS §6.2).
+    yields no negative of that type (the loss masks it out, docs/methods.md §6.2).
     """
     a = _analyse(caption)
     return {"negclip": _negclip(a, rng), "replace": _replace(a, rng), "shuffle": _shuffle(a, rng)}

@@ -1,4 +1,4 @@
-"""GOAL's LISM step 2: match each sentence of a long caption to an image region (METHODS §3.1).
+"""GOAL's LISM step 2: match each sentence of a long caption to an image region (docs/methods.md §3.1).
 
 For an image, the candidates are the global image (candidate 0) and the crops of its segments; every
 sentence goes to its most similar candidate (cosine of CLIP embeddings; GOAL scores `logits_per_image`,

@@ -1,4 +1,4 @@
-"""GOAL's LISM step 1: image segments -> boxes (METHODS §3.1).
+"""GOAL's LISM step 1: image segments -> boxes (docs/methods.md §3.1).
 
 With a SAM checkpoint, segment-anything's automatic mask generator runs (GOAL uses SAM through HF's
 mask-generation pipeline; we use the reference implementation). Checkpoints are loaded here with

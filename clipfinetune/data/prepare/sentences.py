@@ -1,5 +1,5 @@
 """Long captions -> sentence subcaptions (MulCLIP §3.1 and appendix VI; GOAL's LISM). The long-caption corpora
-(DOCCI, DCI, Urban1k, ShareGPT4V; BENCHMARKS §3) are read by `clipfinetune.data.readers`.
+(DOCCI, DCI, Urban1k, ShareGPT4V; docs/evalsets.md §3) are read by `clipfinetune.data.readers`.
 
 Decisions:
 - Sentences come from spaCy's statistical sentence segmenter (`senter` of en_core_web_sm; the dependency
@@ -16,7 +16,7 @@ Decisions:
 - A long caption without a boundary is one sentence; an empty one is skipped and counted; a "sentence"
   without a letter or digit (stray punctuation) is skipped and counted.
 - `splitter` picks the rule: "spacy" (the above), "period" (GOAL's LISM: `caption.split('.')`, pieces stripped,
-  empties removed: "3.5 m" and "Dr." break, line breaks do not; METHODS 3.1) or "punctuation" (MulCLIP App. VI
+  empties removed: "3.5 m" and "Dr." break, line breaks do not; docs/methods.md §3.1) or "punctuation" (MulCLIP App. VI
   "punctuation-based splitting": a sentence ends after a run of '.', '!' or '?', kept in it, or at a line break).
   The punctuation-only skip and the cap apply to every splitter.
 - Every record given is processed, whatever its split (LISM also builds GOAL's joint test list from the test

@@ -1,7 +1,7 @@
 """DCI reader (`densely_captioned_images/`: complete/<key>.json with `image`, `extra_caption`, ...; splits.json;
 photos/<image>).
 
-GOAL's long text is DCI's `extra_caption` (BENCHMARKS §3.2); `field="complete"` gives DCI's own formatted complete
+GOAL's long text is DCI's `extra_caption` (docs/evalsets.md §3.2); `field="complete"` gives DCI's own formatted complete
 description instead. image_id = the entry key's stem; `splits` selects by splits.json (default: every entry in
 complete/, split "").
 """

@@ -62,7 +62,7 @@ def _loads(body: bytes):
 TEMPLATE = ("Please rewrite the following input caption based on the rewrite rule and examples: <{rule}>. "
             "Here are the examples: {examples}. ensuring that the rewritten sentences have significantly "
             "different or opposite meanings from the original sentences. Input text: <{caption}>")
-# nucleus sampling of both backends (ECOSYSTEM.md 6.1), sent explicitly: with it, temperature, max_tokens and the
+# nucleus sampling of both backends (docs/design.md §12.2), sent explicitly: with it, temperature, max_tokens and the
 # seed, and vLLM's own defaults for the rest (offline `generation_config="vllm"`, server `--generation-config vllm`,
 # not the model repo's generation_config.json, e.g. Llama 3.1's top_p 0.9), a server and the offline engine sample alike
 TOP_P = 0.95
