@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 
 MANIFEST = Path(__file__).with_name("datasets.yaml")
 MIRROR_ENV = "CLIPFINETUNE_DATA_MIRROR"
+MANIFEST_ENV = "CLIPFINETUNE_DATA_MANIFEST"   # another manifest (the tests' miniature counts)
 DOWNLOADS = "datasets/.downloads"      # the .part files and verified archives, relative to the project root
 STAMPS = "datasets/.fetched"           # one JSON per fetched dataset: what its archives held
 FETCH_COMMAND = "clipfinetune data --fetch"
@@ -577,6 +578,18 @@ def fetch_dataset(d: Dataset, root: Path, mirror: str | None = None, retries: in
     return stamp
 
 
+def layout_table(path=MANIFEST) -> str:
+    """docs/real-data.md's layout table, one row per manifest entry (`python -m clipfinetune.project.data --table`)."""
+    import yaml
+
+    lines = ["| dataset | layout under the project | source | how |", "|---|---|---|---|"]
+    for name, e in yaml.safe_load(Path(path).read_text()).items():
+        how = "`clipfinetune data --fetch`" if e.get("fetch") else "manual (steps in `clipfinetune data`)"
+        how += "" if e.get("verified") else ", unverified"
+        lines.append(f"| `{name}` | {', '.join(f'`{p}`' for p in e['paths'])} | {e['page']} ({e['size']}) | {how} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ command line
 def params_for(paper: str | None, root: Path, params_file: Path) -> dict:
     from clipfinetune import profile
@@ -599,8 +612,12 @@ def main(argv=None) -> int:
                    help=f"base URL replacing the sources' hosts (default ${MIRROR_ENV})")
     p.add_argument("--root", default=".", help="project root (default: here)")
     p.add_argument("--params", default=None, help="params file (default <root>/params.yaml)")
-    p.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
+    p.add_argument("--manifest", default=os.environ.get(MANIFEST_ENV, str(MANIFEST)), help=argparse.SUPPRESS)
+    p.add_argument("--table", action="store_true", help="print docs/real-data.md's layout table and exit")
     args = p.parse_args(argv)
+    if args.table:
+        print(layout_table(args.manifest))
+        return 0
     root = Path(args.root)
     manifest = load_manifest(args.manifest)
     params = params_for(args.paper, root, Path(args.params) if args.params else root / "params.yaml")
