@@ -122,7 +122,7 @@ def test_an_empty_datasets_folder_lists_every_dataset_absent_with_the_manual_ste
     assert proc.returncode == 1
     states = rows(proc.stdout)
     assert set(states) == {"coco_train2017", "coco_val2017", "coco_annotations_2017", "coco_panoptic_val2017",
-                           "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014"}, proc.stdout
+                           "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014", "docci"}, proc.stdout
     assert set(states.values()) == {"absent"}
     assert "shannon.cs.illinois.edu/DenotationGraph" in proc.stdout and "manual steps" in proc.stdout
     assert "clipfinetune data --fetch" in proc.stdout
@@ -263,7 +263,7 @@ def test_the_plans_missing_inputs_are_grouped_by_dataset_with_the_command_that_f
     missing = [r for r in p["refusals"] if r["message"].startswith("missing data")]
     by_dataset = {re.match(r"missing data: (\S+)", r["message"]).group(1): r for r in missing}
     assert set(by_dataset) == {"coco_train2017", "coco_val2017", "coco_annotations_2017", "coco_panoptic_val2017",
-                               "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014"}
+                               "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014", "docci"}
     assert by_dataset["coco_val2017"]["fixes"] == ["clipfinetune data --fetch"]
     assert "eval.benchmarks.retrieval.real.images" in by_dataset["coco_val2017"]["param"]
     assert by_dataset["flickr30k"]["fixes"][0].startswith("manual: https://shannon.cs.illinois.edu/")

@@ -126,20 +126,15 @@ def _get(params: dict, key: str):
     return node
 
 
-DATA_STAGES = ("word_regions", "sentences", "segments", "lism", "negatives")
-
-
 def needed_paths(params: dict) -> list[tuple[str, str]]:
-    """(params key, path) of every file or folder under the project the configuration reads: the sources its stages
-    list (+ `pretrain`, which stage pretrain depends on, and their `exclude` files), every configured evaluation set,
-    SAM's checkpoint and LISM's matcher when their stages run."""
+    """(params key, path) of every file or folder under the project the configuration reads: every source's paths
+    (and `exclude` files), every configured evaluation set, SAM's checkpoint and LISM's matcher when their stages
+    run."""
     from clipfinetune.data.readers import reader
 
-    used = {"pretrain"} | set(_get(params, "shards.sources") or [])
-    for stage in DATA_STAGES:
-        used |= set(_get(params, f"{stage}.sources") or [])
     out = []
-    for name in sorted(used):
+    for name in sorted(_get(params, "sources") or {}):   # every source, as validate checks and dvc.yaml's shards
+        # depends on coco's and docci's paths whatever the recipe trains on
         spec = (_get(params, "sources") or {}).get(name)
         if not spec:
             continue
@@ -594,9 +589,12 @@ def layout_table(path=MANIFEST) -> str:
 def params_for(paper: str | None, root: Path, params_file: Path) -> dict:
     from clipfinetune import profile
 
-    base = profile.load_plain(params_file) if params_file.is_file() else {}
     if not paper:
-        return base
+        return profile.load_plain(params_file) if params_file.is_file() else {}
+    try:                  # the base `clipfinetune recipe` applies the recipe over (no other recipe's leftovers)
+        base = profile.loads(profile.committed_base(params_file)[0])
+    except (SystemExit, Exception):  # noqa: BLE001  no git history: the workspace's params.yaml
+        base = profile.load_plain(params_file) if params_file.is_file() else {}
     found = profile.recipes(root)
     if paper not in found:
         raise SystemExit(f"clipfinetune data: no recipe {paper!r} (recipes: {', '.join(sorted(found))})")
