@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures import real_tree
-from fixtures.data_server import UNUSED, mirror_of, serve
+from fixtures.data_server import UNUSED, mini_manifest, mirror_of, serve
 from fixtures.project import committed, copy_project, run
 
 from clipfinetune import profile
@@ -34,19 +34,6 @@ from clipfinetune.project import data
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("harmoclip", "fsc_clip", "goal", "degla", "mulclip")
 PAPER = "harmoclip"                 # the README's example: its data is all downloadable but Flickr30K's images
-
-
-def mini_manifest(tree: Path, dest: Path) -> Path:
-    """The manifest with each folder's file count replaced by the miniature tree's (the real counts stay in the
-    real manifest): a complete miniature dataset is `present`."""
-    raw = yaml.safe_load(data.MANIFEST.read_text())
-    for entry in raw.values():
-        dirs = entry.get("expect", {}).get("dirs", {})
-        for folder in dirs:
-            if "{set}" not in folder and (tree / folder).is_dir():
-                dirs[folder] = sum(1 for p in (tree / folder).rglob("*") if p.is_file())
-    dest.write_text(yaml.safe_dump(raw))
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +229,16 @@ def test_a_checksum_mismatch_and_a_404_name_the_dataset_and_the_url(world, tmp_p
     with pytest.raises(data.FetchError, match=r"^valse: http://.*/raw\.githubusercontent\.com/Heidelberg-NLP/VALSE/"
                                               r"main/data/plurals\.json: HTTP 404"):
         data.fetch_dataset(_only(world, "valse"), tmp_path, world["url"])
+
+
+def test_a_full_disk_is_refused_before_the_download_naming_the_dataset_and_the_url(world, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(data.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    d = _only(world, "coco_train2017")
+    with pytest.raises(data.FetchError, match=r"^coco_train2017: http://images\.cocodataset\.org/zips/train2017\.zip: "
+                                              r"disk full: 1\.0 KB free"):
+        data.fetch_dataset(d, tmp_path, world["url"])
+    assert not (tmp_path / data.DOWNLOADS).exists() or not list((tmp_path / data.DOWNLOADS).iterdir())
 
 
 def test_the_command_reports_a_failure_by_dataset_and_url_and_fetches_the_rest(world, tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import errno
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -419,7 +420,7 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
                 total = have
             else:
                 raise FetchError(dataset, url, f"HTTP {e.code} {e.reason}") from None
-        except OSError as e:
+        except (OSError, http.client.HTTPException) as e:
             if getattr(e, "errno", None) == errno.ENOSPC:
                 raise FetchError(dataset, url, f"disk full while writing {part}: free space, then re-run "
                                                f"`{FETCH_COMMAND}` (the download resumes)") from None
@@ -515,16 +516,29 @@ def unpack(dataset: str, url: str, archive: Path, item: dict, into: Path) -> Non
         raise
 
 
+def _place(src: Path, dst: Path) -> None:
+    """`src` renamed to `dst`; across file systems (a folder under datasets/ linked elsewhere) copied to a temporary
+    name beside `dst` first, so `dst` is never half-written."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        tmp = dst.with_name(f".{dst.name}.part")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        src.unlink()
+
+
 def _move_into_place(tmp: Path, root: Path) -> list[str]:
-    """Every file under tmp renamed to the same relative path under root (same filesystem: atomic per file)."""
+    """Every file under tmp renamed to the same relative path under root (atomic per file)."""
     moved = []
     for folder, _, files in os.walk(tmp):
         for f in files:
             src = Path(folder) / f
             rel = src.relative_to(tmp)
-            dst = root / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+            _place(src, root / rel)
             moved.append(str(rel))
     return moved
 
@@ -548,10 +562,8 @@ def fetch_dataset(d: Dataset, root: Path, mirror: str | None = None, retries: in
             download(d.name, url, archive, item.get("sha256", ""), item.get("sha256_prefix", ""), retries)
         tmp = Path(tempfile.mkdtemp(prefix=d.name.replace("/", "__") + "-", dir=stage))
         try:
-            if item["kind"] == "file":
-                rel = Path(item["into"])
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(archive, tmp / rel)
+            if item["kind"] == "file":          # verified under its .part name: renamed into place
+                _place(archive, tmp / item["into"])
             else:
                 try:
                     unpack(d.name, url, archive, item, tmp / item["into"])
