@@ -740,9 +740,8 @@ def _llm_beside_ranks(stages, params, compute, hardware, up_to_date) -> tuple[li
 
 
 def _missing_inputs(params, root, stages, leakage, timeout, warnings) -> list[Refusal]:
-    from clipfinetune.validate import check
-
     from clipfinetune.project.data import missing_by_dataset
+    from clipfinetune.validate import check
 
     produced = [o for s in stages for o in s.outs]
     out, absent = [], []
@@ -823,8 +822,8 @@ def render(plan: dict) -> str:
         lines += [f"REFUSED ({len(plan['refusals'])}): change these before `dvc repro`:",
                   *[f"  - {Refusal(**r)}" for r in rest]]
         if data:                      # one line per dataset: `clipfinetune data` has the table, sizes and steps
-            lines.append(f"  missing data, by dataset (`clipfinetune data` lists them, `clipfinetune data --fetch` "
-                         f"downloads those with a direct link):")
+            lines.append("  missing data, by dataset (`clipfinetune data` lists them, `clipfinetune data --fetch` "
+                         "downloads those with a direct link):")
             lines += [f"  - {r['message'][len('missing data: '):]}: {r['fixes'][0]} (read by {r['param']})"
                       for r in data]
     else:

@@ -71,6 +71,7 @@ class Dataset:
     fetch: list[dict] = field(default_factory=list)
     manual: str = ""
     note: str = ""
+    roots: list[str] = field(default_factory=list)   # shared folders whose readers reach this dataset's files
 
     @property
     def fetchable(self) -> bool:
@@ -168,10 +169,14 @@ def _under(path: str, root: str) -> bool:
 
 
 def owners(path: str, manifest: dict[str, Dataset]) -> list[str]:
-    """The datasets that provide `path`: the most specific one whose path holds it, else every one inside it."""
+    """The datasets that provide `path`: the most specific one whose path holds it, else those naming it among their
+    `roots` (a folder several datasets share, e.g. datasets/coco), else every one inside it."""
     holding = [(len(p), name) for name, d in manifest.items() for p in d.paths if _under(path, p)]
     if holding:
         return [max(holding)[1]]
+    via = sorted(name for name, d in manifest.items() if path in d.roots)
+    if via:
+        return via
     return sorted({name for name, d in manifest.items() for p in d.paths if _under(p, path)})
 
 
@@ -318,9 +323,10 @@ def table(needed: dict[str, list[str]], unknown: list[tuple], manifest: dict[str
         st = status(d, root, check)
         statuses.append(st)
         how = "fetch" if d.fetchable else "manual"
-        rows.append([name, st.state, how, _fmt_bytes(st.disk_bytes), _fmt_bytes(st.download_bytes)
-                     if st.state != "present" else "-", ", ".join(needed[name][:2]) + (" ..." if len(needed[name]) > 2
-                                                                                       else "")])
+        keys = needed[name]
+        rows.append([name, st.state, how, _fmt_bytes(st.disk_bytes),
+                     _fmt_bytes(st.download_bytes) if st.state != "present" else "-",
+                     keys[0] + (f" (+{len(keys) - 1} more)" if len(keys) > 1 else "")])
     head = ["dataset", "state", "how", "on disk", "to download", "read by"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
@@ -634,6 +640,10 @@ def main(argv=None) -> int:
     needed, unknown = datasets_needed(params, manifest)
     what = f"recipe {args.paper}" if args.paper else "params.yaml"
     print(f"clipfinetune data: {len(needed)} datasets read by {what} (manifest checked {_checked(manifest, needed)})")
+    if not needed and not unknown:
+        print("nothing under datasets/ is read (the sample world builds its own data): `clipfinetune data <paper>` "
+              f"names a recipe's ({', '.join(sorted(profile_recipes(root)))})")
+        return 0
     text, statuses = table(needed, unknown, manifest, root, args.check)
     if not args.fetch:
         print(text)
@@ -654,6 +664,12 @@ def main(argv=None) -> int:
     for e in failed:
         print(f"FAILED {e}")
     return 0 if not failed and all(s.state == "present" for s in statuses) else 1
+
+
+def profile_recipes(root: Path) -> dict:
+    from clipfinetune import profile
+
+    return profile.recipes(root)
 
 
 def _checked(manifest, needed) -> str:
