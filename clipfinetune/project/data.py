@@ -555,6 +555,9 @@ def fetch_dataset(d: Dataset, root: Path, mirror: str | None = None, retries: in
     downloads = root / DOWNLOADS
     stage = root / "datasets" / ".tmp"
     stage.mkdir(parents=True, exist_ok=True)
+    prefix = d.name.replace("/", "__") + "-"
+    for stale in stage.glob(prefix + "*"):              # left by a run killed while unpacking
+        shutil.rmtree(stale, ignore_errors=True)
     free_needed = (d.bytes or 0) * (2 if any(i["kind"] != "file" for i in d.fetch) else 1)
     free = shutil.disk_usage(stage).free
     if free_needed and free < free_needed:
@@ -566,7 +569,7 @@ def fetch_dataset(d: Dataset, root: Path, mirror: str | None = None, retries: in
         archive = downloads / PurePosixPath(urlparse(item["url"]).path).name
         if not archive.is_file():
             download(d.name, url, archive, item.get("sha256", ""), item.get("sha256_prefix", ""), retries)
-        tmp = Path(tempfile.mkdtemp(prefix=d.name.replace("/", "__") + "-", dir=stage))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=stage))
         try:
             if item["kind"] == "file":          # verified under its .part name: renamed into place
                 _place(archive, tmp / item["into"])
