@@ -1,6 +1,8 @@
 """`clipfinetune <command>`: the project's command line (pyproject.toml [project.scripts]).
 
     clipfinetune recipe <paper>     params.yaml for one paper's protocol (clipfinetune/profile.py)
+    clipfinetune data [<paper>]     the datasets it reads, present or not; --fetch downloads them
+                                    (clipfinetune/project/data.py)
     clipfinetune plan               what `dvc repro` would run with the applied params, checked before any work
                                     (clipfinetune/plan.py)
 
@@ -11,7 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"recipe": "clipfinetune.profile", "plan": "clipfinetune.plan"}   # command -> module with main(argv)
+# command -> module with main(argv)
+COMMANDS = {"recipe": "clipfinetune.profile", "plan": "clipfinetune.plan", "data": "clipfinetune.project.data"}
 
 
 def main(argv=None) -> int:

@@ -740,21 +740,33 @@ def _llm_beside_ranks(stages, params, compute, hardware, up_to_date) -> tuple[li
 
 
 def _missing_inputs(params, root, stages, leakage, timeout, warnings) -> list[Refusal]:
+    from clipfinetune.project.data import missing_by_dataset
     from clipfinetune.validate import check
 
     produced = [o for s in stages for o in s.outs]
-    out = []
+    out, absent = [], []
     for f in check(params, root, timeout, produced=produced, leakage_check=leakage):
         if f.missing and f.key.startswith("negatives."):
             out.append(Refusal("", f.key, f"no LLM endpoint: {f.message}",
                                [(f"start the server first: vllm serve {_get(params, 'negatives.model')} "
                                 "--generation-config vllm (recipes/degla.yaml: on its own GPU)"),
                                 "negatives.backend: offline"]))
+        elif f.missing and "does not exist" in f.message and isinstance(_get(params, f.key), str):
+            absent.append(f)              # grouped below by the dataset that provides it
         elif f.missing:
             out.append(Refusal("", f.key, f"missing input: {f.message}",
                                [f"{f.key}: a path that exists (params.real.yaml lists the layouts), or provide it"]))
         else:
             warnings.append(f"{f.key}: {f.message}")
+    messages = {f.key: f.message for f in absent}
+    for dataset, pairs, how in missing_by_dataset([(f.key, _get(params, f.key)) for f in absent]):
+        keys = ", ".join(k for k, _ in pairs)
+        if dataset is None:           # no dataset of the manifest provides it
+            out.append(Refusal("", keys, f"missing input: {messages[keys]}",
+                               [f"{keys}: a path that exists (params.real.yaml lists the layouts), or provide it"]))
+        else:
+            paths = ", ".join(sorted({p for _, p in pairs}))
+            out.append(Refusal("", keys, f"missing data: {dataset} ({paths})", [how]))
     if not leakage:
         warnings.append("leakage between training and evaluation images: checked by the shards stage (or here with "
                         "--leakage: the first run hashes every training image)")
@@ -805,8 +817,15 @@ def render(plan: dict) -> str:
     if plan["warnings"]:
         lines += ["warnings:", *[f"  - {w}" for w in plan["warnings"]]]
     if plan["refusals"]:
+        data = [r for r in plan["refusals"] if r["message"].startswith("missing data: ")]
+        rest = [r for r in plan["refusals"] if r not in data]
         lines += [f"REFUSED ({len(plan['refusals'])}): change these before `dvc repro`:",
-                  *[f"  - {Refusal(**r)}" for r in plan["refusals"]]]
+                  *[f"  - {Refusal(**r)}" for r in rest]]
+        if data:                      # one line per dataset: `clipfinetune data` has the table, sizes and steps
+            lines.append("  missing data, by dataset (`clipfinetune data` lists them, `clipfinetune data --fetch` "
+                         "downloads those with a direct link):")
+            lines += [f"  - {r['message'][len('missing data: '):]}: {r['fixes'][0]} (read by {r['param']})"
+                      for r in data]
     else:
         lines.append("plan: OK, nothing refused")
     return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""`clipfinetune data` (clipfinetune/project/data.py) and its manifest (clipfinetune/project/datasets.yaml), without
+the internet: a local mirror (tests/fixtures/data_server.py) serves the miniature real tree's files packed as each
+source packs them. Checked here:
+
+- every path params.real.yaml and each recipe reads belongs to a manifest dataset with its source page, license and
+  the date it was checked, and a download or manual steps; docs/real-data.md's layout table is the manifest's;
+- the table: absent / incomplete (what is missing) / present, manual steps printed, a placed manual dataset found;
+- `--fetch` of HarmoCLIP's data from the mirror gives the tree's files byte for byte in the expected layout (zip,
+  tar.gz, a zip inside a zip, single files, members left out), and a re-run requests nothing;
+- a connection dropped mid-file resumes with an HTTP range (in the same run, and from the .part in a later run);
+- a corrupt archive, a checksum mismatch and a 404 fail naming the dataset and the URL, leaving complete data;
+- `clipfinetune plan` groups missing inputs by dataset and names the command that fetches them;
+- README's real-data commands, as written, on a project copy against the mirror (the last, `dvc exp run`, in
+  tests/scale/test_data_fetch_repro.py: minutes).
+"""
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures import real_tree
+from fixtures.data_server import UNUSED, mini_manifest, mirror_of, serve
+from fixtures.project import committed, copy_project, run
+
+from clipfinetune import profile
+from clipfinetune.project import data
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("harmoclip", "fsc_clip", "goal", "degla", "mulclip")
+PAPER = "harmoclip"                 # the README's example: its data is all downloadable but Flickr30K's images
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    base = tmp_path_factory.mktemp("data")
+    tree = base / "tree"
+    real_tree.build(tree)
+    manifest_path = mini_manifest(tree, base / "manifest.yaml")
+    manifest = data.load_manifest(manifest_path)
+    packed = mirror_of(manifest, tree, base / "mirror")
+    with serve(base / "mirror") as (url, server):
+        yield {"tree": tree, "manifest": manifest, "manifest_path": manifest_path, "packed": packed, "url": url,
+               "server": server, "mirror": base / "mirror"}
+
+
+def project_root(tmp_path: Path) -> Path:
+    """What `clipfinetune data <paper>` reads: params.yaml, params.real.yaml, recipes/."""
+    (tmp_path / "params.yaml").write_text(committed("params.yaml"))
+    shutil.copy(ROOT / "params.real.yaml", tmp_path / "params.real.yaml")
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    return tmp_path
+
+
+def cli(world, root: Path, *args: str):
+    env = {**os.environ, data.MIRROR_ENV: world["url"], data.MANIFEST_ENV: str(world["manifest_path"])}
+    return run_env(root, env, "clipfinetune", "data", *args)
+
+
+def run_env(cwd, env, *cmd):
+    import subprocess
+
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+
+
+def rows(out: str) -> dict[str, str]:
+    """dataset -> state, from the table."""
+    states = ("present", "incomplete", "absent")
+    return {p[0]: p[1] for p in (line.split() for line in out.splitlines()) if len(p) > 2 and p[1] in states}
+
+
+# ------------------------------------------------------------------------------------------------ the manifest
+@pytest.mark.parametrize("recipe", (None, *RECIPES))
+def test_every_path_a_recipe_reads_is_a_manifest_dataset_with_its_source_and_the_date_checked(recipe):
+    manifest = data.load_manifest()
+    files = [ROOT / "params.real.yaml"] + ([ROOT / "recipes" / f"{recipe}.yaml"] if recipe else [])
+    params = profile.layered(yaml.safe_load(committed("params.yaml")), *map(profile.load_plain, files))
+    needed, unknown = data.datasets_needed(params, manifest)
+    assert unknown == [], unknown
+    assert needed
+    for name in needed:
+        d = manifest[name]
+        assert d.page.startswith("https://") and d.license and str(d.checked) == "2026-11-28", name
+        assert d.fetch or d.manual, name                      # a download, or the steps
+        assert d.verified or d.note or d.manual, f"{name}: unverified without a note"
+        for item in d.fetch:
+            assert item["url"].startswith(("http://", "https://")) and item["kind"] in ("zip", "tar.gz", "file")
+
+
+def test_docs_layout_table_is_the_manifests():
+    text = (ROOT / "docs" / "real-data.md").read_text()
+    table = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w/{}-]+)` \| ([^|]+) \|", text, re.MULTILINE)}
+    raw = yaml.safe_load(data.MANIFEST.read_text())
+    assert set(table) == set(raw)
+    for name, entry in raw.items():
+        for path in entry["paths"]:
+            assert f"`{path}`" in table[name], (name, path)
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def test_an_empty_datasets_folder_lists_every_dataset_absent_with_the_manual_steps(world, tmp_path):
+    root = project_root(tmp_path)
+    proc = cli(world, root, PAPER)
+    assert proc.returncode == 1
+    states = rows(proc.stdout)
+    assert set(states) == {"coco_train2017", "coco_val2017", "coco_annotations_2017", "coco_panoptic_val2017",
+                           "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014", "docci"}, proc.stdout
+    assert set(states.values()) == {"absent"}
+    assert "shannon.cs.illinois.edu/DenotationGraph" in proc.stdout and "manual steps" in proc.stdout
+    assert "clipfinetune data --fetch" in proc.stdout
+
+
+def test_an_incomplete_dataset_names_what_is_missing(world, tmp_path):
+    root = project_root(tmp_path)
+    shutil.copytree(world["tree"] / "datasets/coco/val2017", root / "datasets/coco/val2017")
+    next((root / "datasets/coco/val2017").iterdir()).unlink()
+    proc = cli(world, root, PAPER)
+    assert rows(proc.stdout)["coco_val2017"] == "incomplete"
+    want = len(list((world["tree"] / "datasets/coco/val2017").iterdir()))
+    assert f"coco_val2017: missing datasets/coco/val2017: {want - 1} of {want} files" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------ fetch
+@pytest.fixture(scope="module")
+def fetched(world, tmp_path_factory):
+    root = project_root(tmp_path_factory.mktemp("fetched"))
+    world["server"].requests.clear()
+    proc = cli(world, root, PAPER, "--fetch")
+    return {"root": root, "proc": proc, "requests": list(world["server"].requests)}
+
+
+def test_fetch_unpacks_each_format_into_the_layout_byte_for_byte(world, fetched):
+    root, proc = fetched["root"], fetched["proc"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr           # Flickr30K's images are a manual step
+    states = rows(proc.stdout)
+    assert states.pop("flickr30k") == "absent" and set(states.values()) == {"present"}, proc.stdout
+    manifest = world["manifest"]
+    for name in states:
+        for rel in [f for p in manifest[name].paths for f in _files(world["tree"], p)]:
+            assert filecmp.cmp(world["tree"] / rel, root / rel, shallow=False), rel
+    assert (root / "datasets/coco/annotations/panoptic_val2017").is_dir()       # the zip inside the zip
+    assert not (root / "datasets/coco/annotations/panoptic_val2017.zip").exists()
+    assert not list(root.rglob(UNUSED))                                        # `only` leaves members out
+    assert not list((root / "datasets").rglob("*.part")) and not list((root / "datasets/.tmp").iterdir())
+    assert not list((root / data.DOWNLOADS).iterdir())                          # archives removed once unpacked
+    assert "ETA" in proc.stderr and "/s" in proc.stderr                         # progress with rate and ETA
+
+
+def _files(tree: Path, rel: str) -> list[str]:
+    full = tree / rel
+    if full.is_file():
+        return [rel]
+    return [str(p.relative_to(tree)) for p in full.rglob("*") if p.is_file()]
+
+
+def test_a_placed_manual_dataset_is_found_and_a_rerun_fetches_nothing(world, fetched):
+    root = fetched["root"]
+    shutil.copytree(world["tree"] / "datasets/flickr30k", root / "datasets/flickr30k")   # the manual step
+    world["server"].requests.clear()
+    proc = cli(world, root, PAPER, "--fetch")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(rows(proc.stdout).values()) == {"present"}
+    assert world["server"].requests == []
+
+
+def _only(world, name: str) -> data.Dataset:
+    return world["manifest"][name]
+
+
+def test_a_dropped_connection_resumes_with_a_range_in_the_same_run_and_in_the_next(world, tmp_path):
+    d = _only(world, "coco_val2017")
+    path = "/images.cocodataset.org/zips/val2017.zip"
+    size = (world["mirror"] / path.lstrip("/")).stat().st_size
+    server = world["server"]
+    server.requests.clear()
+    server.drop_once.add(path)
+    data.fetch_dataset(d, tmp_path, world["url"])
+    starts = [int(r.split("=")[1].split("-")[0]) for p, r in server.requests if p == path and r]
+    assert len(server.requests) == 2 and starts == [size // 2]
+    assert data.status(d, tmp_path).state == "present"
+    # a run that gives up (no retries) keeps the .part; the next run asks only for the rest
+    (tmp_path / data.STAMPS / "coco_val2017.json").unlink()
+    shutil.rmtree(tmp_path / "datasets/coco/val2017")
+    server.requests.clear()
+    server.drop_once.add(path)
+    with pytest.raises(data.FetchError, match=r"coco_val2017: http://127\.0\.0\.1:\d+/images\.cocodataset\.org/zips/"
+                                              r"val2017\.zip: truncated"):
+        data.fetch_dataset(d, tmp_path, world["url"], retries=0)
+    part = tmp_path / data.DOWNLOADS / "val2017.zip.part"
+    assert part.stat().st_size == size // 2 and not (tmp_path / "datasets/coco/val2017").exists()
+    data.fetch_dataset(d, tmp_path, world["url"])
+    assert server.requests[-1] == (path, f"bytes={size // 2}-")
+    assert data.status(d, tmp_path).state == "present" and not part.exists()
+
+
+def test_a_corrupt_archive_is_refused_by_name_and_complete_data_stays(world, tmp_path):
+    bad = tmp_path / "bad-mirror"
+    shutil.copytree(world["mirror"], bad)
+    archive = bad / "images.cocodataset.org/zips/val2017.zip"
+    raw = bytearray(archive.read_bytes())
+    mid = len(raw) // 3
+    raw[mid:mid + 64] = bytes(64)                                    # zeroed bytes inside a member
+    archive.write_bytes(bytes(raw))
+    root = tmp_path / "root"
+    with serve(bad) as (url, _):
+        data.fetch_dataset(_only(world, "karpathy"), root, url)
+        with pytest.raises(data.FetchError) as e:
+            data.fetch_dataset(_only(world, "coco_val2017"), root, url)
+    assert e.value.dataset == "coco_val2017" and e.value.url.endswith("/images.cocodataset.org/zips/val2017.zip")
+    assert "broken archive val2017.zip" in str(e.value)
+    assert not (root / "datasets/coco/val2017").exists() or not any((root / "datasets/coco/val2017").iterdir())
+    assert data.status(_only(world, "karpathy"), root).state == "present"
+    assert not list((root / data.DOWNLOADS).iterdir())              # the broken download is not kept
+
+
+def test_a_checksum_mismatch_and_a_404_name_the_dataset_and_the_url(world, tmp_path):
+    d = _only(world, "karpathy")
+    wrong = data.Dataset(**{**d.__dict__, "fetch": [{**d.fetch[0], "sha256": "0" * 64}]})
+    with pytest.raises(data.FetchError, match=r"^karpathy: http://.*/cs\.stanford\.edu/people/karpathy/deepimagesent/"
+                                              r"caption_datasets\.zip: checksum mismatch: sha256 [0-9a-f]{64}"):
+        data.fetch_dataset(wrong, tmp_path, world["url"])
+    assert not list((tmp_path / data.DOWNLOADS).iterdir()) and not (tmp_path / "datasets/karpathy").exists()
+    # VALSE's pieces the miniature tree lacks are not on the mirror
+    with pytest.raises(data.FetchError, match=r"^valse: http://.*/raw\.githubusercontent\.com/Heidelberg-NLP/VALSE/"
+                                              r"main/data/plurals\.json: HTTP 404"):
+        data.fetch_dataset(_only(world, "valse"), tmp_path, world["url"])
+
+
+def test_a_full_disk_is_refused_before_the_download_naming_the_dataset_and_the_url(world, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(data.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    d = _only(world, "coco_train2017")
+    with pytest.raises(data.FetchError, match=r"^coco_train2017: http://images\.cocodataset\.org/zips/train2017\.zip: "
+                                              r"disk full: 1\.0 KB free"):
+        data.fetch_dataset(d, tmp_path, world["url"])
+    assert not (tmp_path / data.DOWNLOADS).exists() or not list((tmp_path / data.DOWNLOADS).iterdir())
+
+
+def test_the_command_reports_a_failure_by_dataset_and_url_and_fetches_the_rest(world, tmp_path):
+    root = project_root(tmp_path)
+    proc = cli(world, root, "degla", "--fetch")                    # VALSE's pieces: 404 on the mirror
+    assert proc.returncode == 1
+    assert re.search(r"^FAILED valse: http://127\.0\.0\.1:\d+/raw\.githubusercontent\.com/Heidelberg-NLP/VALSE/main/"
+                     r"data/\S+\.json: HTTP 404", proc.stdout, re.MULTILINE), proc.stdout
+    assert rows(proc.stdout)["sugarcrepe"] == "present" and rows(proc.stdout)["blip_flickr_test"] == "present"
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def test_the_plans_missing_inputs_are_grouped_by_dataset_with_the_command_that_fetches_them(tmp_path):
+    from clipfinetune import plan
+
+    params = profile.layered(yaml.safe_load(committed("params.yaml")), profile.load_plain(ROOT / "params.real.yaml"),
+                             profile.load_plain(ROOT / "recipes" / f"{PAPER}.yaml"))
+    p = plan.make_plan(params, tmp_path, plan.Hardware(1, 1, "NVIDIA H200"), stages=[], timeout=0.5)
+    missing = [r for r in p["refusals"] if r["message"].startswith("missing data")]
+    by_dataset = {re.match(r"missing data: (\S+)", r["message"]).group(1): r for r in missing}
+    assert set(by_dataset) == {"coco_train2017", "coco_val2017", "coco_annotations_2017", "coco_panoptic_val2017",
+                               "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014", "docci"}
+    assert by_dataset["coco_val2017"]["fixes"] == ["clipfinetune data --fetch"]
+    assert "eval.benchmarks.retrieval.real.images" in by_dataset["coco_val2017"]["param"]
+    assert by_dataset["flickr30k"]["fixes"][0].startswith("manual: https://shannon.cs.illinois.edu/")
+    text = plan.render(p)
+    assert "missing data, by dataset" in text and text.count("clipfinetune data --fetch") >= 1
+
+
+# ------------------------------------------------------------------------------------------------ README
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Real data and the papers", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def test_readmes_real_data_path_is_four_commands_and_the_first_three_run_as_written(world, tmp_path):
+    commands = readme_commands()
+    assert [c.split()[:2] for c in commands] == [["clipfinetune", "recipe"], ["clipfinetune", "data"],
+                                                 ["clipfinetune", "plan"], ["dvc", "exp"]]
+    assert commands[0] == f"clipfinetune recipe {PAPER}" and commands[3] == f"dvc exp run -n {PAPER}"
+    repo = copy_project(tmp_path / "project")
+    shutil.copytree(world["tree"] / "datasets/flickr30k", repo / "datasets/flickr30k")   # the one manual step
+    run(repo, "git", "init", "-q")
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "project")
+    env = {**os.environ, data.MIRROR_ENV: world["url"], data.MANIFEST_ENV: str(world["manifest_path"])}
+    env.pop("DVC_STAGE", None)
+    outs = [run_env(repo, env, *command.split()) for command in commands[:3]]
+    for command, proc in zip(commands, outs):
+        assert proc.returncode == 0, f"{command}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "plan: OK" in outs[2].stdout
+    with contextlib.suppress(FileNotFoundError):
+        assert not list((repo / "datasets/.tmp").iterdir())
