@@ -132,7 +132,7 @@ class _UnitImages(Dataset):
             return torch.stack([transform(load_image(p, c)) for p, c in unit["keys"]]), []
         if unit["kind"] == "regions":
             pils = [load_image(p) for p, _ in unit["images"]]
-            return torch.stack([enc.model.transform(im) for im in pils]), [im.size for im in pils]
+            return torch.stack([enc.with_resize("squash").transform(im) for im in pils]), [im.size for im in pils]
         return torch.zeros(0), []
 
 
