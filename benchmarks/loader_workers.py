@@ -1,6 +1,6 @@
 """Per-worker rates of the training loader and of the evaluation's image path on the CPU, before and after uint8 pixels.
 
-`python -m benchmarks.loader_workers [--samples 384] [--rounds 3] [--textured]`
+`python -m benchmarks.loader_workers [--samples 256] [--rounds 3] [--textured]`
 
 Inputs, written here: `--samples` 640 x 480 JPEGs with five COCO-length captions each (benchmarks/fig5_real.py's
 `real_samples`, the images of the GPU acceptance run's loader row) in two webdataset shards of the project's layout
@@ -222,7 +222,7 @@ def eval_rates(model, paths, resize_mode: str, after: bool) -> tuple[float, floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--samples", type=int, default=384)
+    parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--textured", action="store_true", help="noisy JPEGs of a photograph's size")
     args = parser.parse_args(argv)
