@@ -47,6 +47,10 @@ Decisions:
   spaCy + WordNet, ~10 s) load once per run. Nothing is warmed in the main process before the fork (NLTK's WordNet
   reader keeps file handles whose offsets forked workers would share); records are read with `os.pread`, which has
   no shared offset.
+- **Pixels travel as uint8**: `ExampleContext.of_model` resizes with `model.pixel_transform` (torchvision's uint8
+  bicubic; PIL's bicubic and the float conversion were most of a worker's time) and the model normalises the batch
+  on its device; with `pin_memory` the batches reach the trainer in page-locked memory (benchmarks/README.md has the
+  per-worker rates).
 - **Statistics** (examples, corrupt images, repeats) are counted in the workers, travel with each batch and are
   summed in `ShardLoader.stats`; each epoch ends with a log line. Records the method does not want are counted once
   (`ShardLoader.dropped_by_method`).
