@@ -99,7 +99,7 @@ def per_sample_ms(fn, items, reps: int = 3) -> float:
 def breakdown(model, samples, shards) -> list[tuple[str, float | None, float | None]]:
     """(step, ms per sample before, ms per sample after) of one sample's way through a loader worker; None: the
     step is the same on both sides (before) or not taken (after)."""
-    import torchvision.transforms.v2 as v2
+    from torchvision.transforms import v2
     from torch.utils.data import default_collate
 
     from clipfinetune.data.loader import UnitTable
@@ -213,8 +213,8 @@ def eval_rates(model, paths, resize_mode: str, after: bool) -> tuple[float, floa
     from clipfinetune.eval.encode import Encoder
     from clipfinetune.eval.sharded import unit_images
 
-    units = [{"kind": "images", "model": "model", "resize": resize_mode, "keys": [[p, None] for p in paths[s:s + BATCH]]}
-             for s in range(0, len(paths), BATCH)]
+    units = [{"kind": "images", "model": "model", "resize": resize_mode,
+              "keys": [[p, None] for p in paths[s:s + BATCH]]} for s in range(0, len(paths), BATCH)]
     encoder = Encoder(model if after else TodaysEvalTransforms(model), BATCH)
     clock = WorkerClock()
     return rates((x for x, _ in unit_images(units, {"model": encoder}, workers=1)), clock)

@@ -6,9 +6,9 @@ after each pass, so a pixel may differ by the two roundings: after normalisation
 (2/255 / the channel's std: 0.030 for the OpenAI std), and the mean absolute difference is below a quarter of a grey
 level (0.003-0.2 measured; the passes' order differs on some aspect ratios). A change a model would notice is far
 above that: a bilinear instead of a bicubic filter, or re-encoding the JPEG at quality 95, moves these test images'
-mean by 1-3 grey levels (the first test checks that the tolerance refuses the bilinear filter). The normalisation on the model's side is the reference's arithmetic:
-equal pixels give bit-equal input. Boxes: the geometry is unchanged (same output size, same squash resize), so a
-box maps as before and a crop of a box is the same pixels.
+mean by 1-3 grey levels (the first test checks that the tolerance refuses the bilinear filter). The normalisation on
+the model's side is the reference's arithmetic: equal pixels give bit-equal input. Boxes: the geometry is unchanged
+(same output size, same squash resize), so a box maps as before and a crop of a box is the same pixels.
 """
 from __future__ import annotations
 
