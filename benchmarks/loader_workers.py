@@ -12,7 +12,9 @@ costs what it costs on real data.
    decoding the JPEG, the resize, the tensor conversion, tokenising a caption, collating; each step as the loader
    ran it before (open_clip's preprocess: PIL's bicubic, float, normalised in the worker) and as it runs now
    (`ClipModel.pixel_transform`: torchvision's uint8 bicubic, uint8 through collate, normalised by the model on its
-   device). The transfer to a GPU is not measured here: its bytes per sample are printed.
+   device). The transfer to a GPU is not measured here: its bytes per sample are printed. `io.read_image` no
+   longer copies an RGB image (its `convert`): that saving is in both sides of 2. and 3. (they run today's
+   `read_image`), so their ratios understate the change by it; the breakdown shows it on its own line.
 2. The training loader: `ShardLoader` of stage train@'s plain `clip` method with ONE DataLoader worker (224 px, the
    ViT-B-16 preprocess, batch 32), one epoch over the shards, the first batch (worker start) not counted: samples/s
    of that worker. Before: `ExampleContext.of_model(model, transform=model.transform)` (the float transform the
@@ -130,6 +132,8 @@ def breakdown(model, samples, shards) -> list[tuple[str, float | None, float | N
 
     rows = [("read the record (pread, json)", per_sample_ms(units.read, range(len(items))), None),
             ("decode (io.read_image, PIL)", per_sample_ms(lambda s: read_image(s[1]), items), None),
+            ("copy of the RGB image (read_image's convert, now skipped)",
+             per_sample_ms(lambda im: im.convert("RGB"), images), 0.0),
             ("resize 640x480 -> 224 (PIL bicubic | torchvision uint8 bicubic)",
              per_sample_ms(before_resize, images), per_sample_ms(lambda im: after_resize(to_uint8(im)), images)),
             ("to tensor (float + normalise | uint8, in the resize above)",
