@@ -142,7 +142,8 @@ def loader_vs_step(model_dir, shards, size: dict, device: str, precision: str, l
     model = load_model("local-dir:" + str(model_dir), device=device)
     method = build_method("clip")
     ctx = ExampleContext.of_model(model)
-    loader = ShardLoader(shards, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
+    loader = ShardLoader(shards, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers,
+                         pin_memory=torch.device(device).type == "cuda")          # as stage train@ on a GPU
     it = iter(loader.batches(0))
     batch = next(it)                            # worker start-up and the first batch not counted
     t0, n = time.perf_counter(), 0
