@@ -68,7 +68,8 @@ def child(model_dir: str, batch_size: int, workers: int, shards=SHARDS, max_step
     model = load_model("local-dir:" + model_dir, device=device)
     method = build_method("clip")
     ctx = ExampleContext.of_model(model)
-    loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
+    loader = ShardLoader(Path(shards), "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers,
+                         pin_memory=torch.device(device).type == "cuda")          # as stage train@ on a GPU
     trainer = Trainer(method, model, loader, cfg, dist=DistInfo(device=torch.device(device)))
     if max_steps:                                   # the loop runs epoch_steps[0] steps of its one epoch
         trainer.total_steps = min(trainer.total_steps, max_steps)
@@ -158,7 +159,10 @@ def compute_only(model_dir, batch_size: int, reps: int = 3, steps: int = 6, samp
         return lambda: tr.train_step([batch]), batch
 
     def theirs(batch):
-        model = load_model("local-dir:" + str(model_dir)).clip
+        ours_model = load_model("local-dir:" + str(model_dir))
+        # open_clip_train's loader hands its step normalised float images: our uint8 batch, normalised once here
+        batch = {**batch, "image": ours_model.image_input(batch["image"])}
+        model = ours_model.clip
         model.output_dict = True                                 # as open_clip_train creates it
         model.train()
         loss = OcClipLoss()

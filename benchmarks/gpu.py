@@ -14,8 +14,8 @@ JPEGs with COCO-length captions, fig5_real's samples; `WORKERS` loader workers o
   (open_clip's `amp_bf16`), the same batch and steps; median per-step samples/s after warm-up (figure 1's rule);
 - the loader alone (ShardLoader, one epoch, samples/s) against the step's consumption (`Trainer.train_step` on a
   fixed batch of the same size, CUDA-synchronised);
-- eval: images/s of the evaluation's image path (`eval.encode.Encoder.images`: JPEG decode, transform, fp32
-  forward) over the same JPEGs;
+- eval: images/s of stage eval@'s image path (`eval.sharded.encode_units`: JPEG decode and resize in `WORKERS`
+  DataLoader workers, uint8 pixels normalised on the GPU, fp32 forward) over the same JPEGs;
 - SAM: s/image of segment-anything `vit_b` (random init) through the `segments` stage's segmenter (`build_sam`,
   `SamAutomaticMaskGenerator`, 32 x 32 points) on 1024 x 768 images (fig5_real's function, on the device);
 - LISM: crops/s of the `lism` stage's `Matcher` (images decoded and crops cut in DataLoader workers, each image and
@@ -142,7 +142,8 @@ def loader_vs_step(model_dir, shards, size: dict, device: str, precision: str, l
     model = load_model("local-dir:" + str(model_dir), device=device)
     method = build_method("clip")
     ctx = ExampleContext.of_model(model)
-    loader = ShardLoader(shards, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers)
+    loader = ShardLoader(shards, "train", method, ctx, batch_size=batch_size, seed=0, num_workers=workers,
+                         pin_memory=torch.device(device).type == "cuda")          # as stage train@ on a GPU
     it = iter(loader.batches(0))
     batch = next(it)                            # worker start-up and the first batch not counted
     t0, n = time.perf_counter(), 0
@@ -169,19 +170,30 @@ def loader_vs_step(model_dir, shards, size: dict, device: str, precision: str, l
 
 
 def eval_images_per_s(model_dir, image_paths, size: dict, device: str, log=print) -> dict:
-    """The evaluation's image path (Encoder.images: decode, transform, fp32 forward) on `device`."""
+    """Stage eval@'s image path: `eval.sharded.encode_units` over image units of `size["batch"]` (the "shortest"
+    resize of retrieval, zero-shot and compositionality), decoded in `size["workers"]` DataLoader workers, uint8
+    pixels pinned and normalised on `device`, fp32 forwards (the evaluation never autocasts)."""
     from clipfinetune.eval.encode import Encoder
+    from clipfinetune.eval.sharded import encode_units
     from clipfinetune.models import load_model
 
-    encoder = Encoder(load_model("local-dir:" + str(model_dir), device=device).eval(), batch_size=size["batch"])
-    encoder.images([(image_paths[0], None)])            # warm-up (a cached key: the timed ones are new)
-    keys = [(p, None) for p in image_paths[1:]]
+    encoders = {"model": Encoder(load_model("local-dir:" + str(model_dir), device=device).eval(),
+                                 batch_size=size["batch"])}
+
+    def units(paths):
+        return [{"kind": "images", "model": "model", "resize": "shortest",
+                 "keys": [[p, None] for p in paths[s:s + size["batch"]]]} for s in range(0, len(paths), size["batch"])]
+
+    list(encode_units(units(image_paths[:1]), encoders, size["workers"]))          # warm-up: kernels, allocator
+    timed = units(image_paths[1:])
     t0 = time.perf_counter()
-    emb = encoder.images(keys)
+    out = [res["emb"] for _, res in encode_units(timed, encoders, size["workers"])]
     synchronize(device)
-    rate = len(keys) / (time.perf_counter() - t0)
-    log(f"  gpu eval: {rate:.0f} images/s")
-    return {"images_per_s": rate, "images": len(keys), "embedding_dim": int(emb.shape[1])}
+    n = sum(len(unit["keys"]) for unit in timed)
+    rate = n / (time.perf_counter() - t0)
+    log(f"  gpu eval: {rate:.0f} images/s (encode_units, {size['workers']} workers)")
+    return {"images_per_s": rate, "images": n, "embedding_dim": int(out[0].shape[1]), "workers": size["workers"],
+            "path": "eval.sharded.encode_units"}
 
 
 def sam_seconds(size: dict, device: str, log=print) -> dict:

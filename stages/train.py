@@ -75,11 +75,12 @@ def main() -> None:
         method = method_cls(**config)
         model = load_model("local-dir:" + str(ROOT / "models" / "base"), device=session.dist.device)
         random_crop = cfg.train_transform == "random_resized_crop"
-        ctx = ExampleContext.of_model(model, model.train_transform() if random_crop else None, random_crop)
+        ctx = ExampleContext.of_model(model, random_geometry=random_crop)
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
                              seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
                              epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps,
-                             rank=session.dist.rank, world_size=session.dist.world_size)
+                             rank=session.dist.rank, world_size=session.dist.world_size,
+                             pin_memory=session.dist.device.type == "cuda")
         fp = fingerprint(params.stage, {"run": args.run, **resolved, "precision": cfg.precision},
                          stage_inputs(params.stage), session.dist.world_size)
         checkpoint_dir = ROOT / "checkpoints" / args.run

@@ -77,7 +77,7 @@ def test_harmoclip_example_word_mask_box_and_crop(tiny):
     assert decode(tiny, ex["text"][ex["text"] != 0][1:-1]) == coco_record()["captions"][0].lower()
     torch.testing.assert_close(ex["box"], torch.tensor([10 * 0.64, 20 * 1.28, 30 * 0.64, 40 * 1.28]))
     # the crop: the box 1.5x about its centre (20, 30) = [5, 15, 35, 45], inside the 100 x 50 image
-    torch.testing.assert_close(ex["crop"], tiny.transform(image().crop((5, 15, 35, 45))))
+    torch.testing.assert_close(ex["crop"], tiny.pixel_transform()(image().crop((5, 15, 35, 45))))
     assert ex["crop"].shape == ex["image"].shape == (3, S, S)
     assert bool(ex["pair_valid"]) and ex["category"].dtype == torch.long
 

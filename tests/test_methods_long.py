@@ -105,8 +105,8 @@ def test_goal_example_shapes_and_span(tiny):
     n_before = len(model.tokenizer.encode(" ".join(SENTENCES[:1])))
     assert positions == list(range(1 + n_before, 1 + n_before + len(span_ids)))      # contiguous, after SOT
     # the crop is the box itself (no enlargement), background kept
-    crop = model.transform(image().crop((10, 5, 50, 40)))
-    assert torch.allclose(ex["local_image"], crop)
+    crop = model.pixel_transform()(image().crop((10, 5, 50, 40)))
+    assert torch.equal(ex["local_image"], crop)
     assert torch.allclose(ex["box"], torch.tensor([10 * 64 / W, 5 * 64 / H, 50 * 64 / W, 40 * 64 / H]))
 
 

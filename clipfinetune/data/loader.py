@@ -47,6 +47,10 @@ Decisions:
   spaCy + WordNet, ~10 s) load once per run. Nothing is warmed in the main process before the fork (NLTK's WordNet
   reader keeps file handles whose offsets forked workers would share); records are read with `os.pread`, which has
   no shared offset.
+- **Pixels travel as uint8**: `ExampleContext.of_model` resizes with `model.pixel_transform` (torchvision's uint8
+  bicubic; PIL's bicubic and the float conversion were most of a worker's time) and the model normalises the batch
+  on its device; with `pin_memory` the batches reach the trainer in page-locked memory (benchmarks/README.md has the
+  per-worker rates).
 - **Statistics** (examples, corrupt images, repeats) are counted in the workers, travel with each batch and are
   summed in `ShardLoader.stats`; each epoch ends with a log line. Records the method does not want are counted once
   (`ShardLoader.dropped_by_method`).
@@ -96,12 +100,15 @@ class ExampleContext:
 
     @classmethod
     def of_model(cls, model, transform: Callable | None = None, random_geometry: bool = False) -> ExampleContext:
-        """The context of a `ClipModel`, the one way to build it: its transform (or `transform`, e.g.
-        `model.train_transform()` with `random_geometry`), tokenizer, input size and token spans, and the long-text
-        tokenizer at Long-CLIP's context (`models.LONG_CONTEXT`, GOAL's and MulCLIP's)."""
+        """The context of a `ClipModel`, the one way to build it: its uint8 pixel transform (`model.pixel_transform`:
+        the squash resize of `model.transform`, or with `random_geometry` open_clip's random resized crop of
+        `model.train_transform()`; the model normalises the uint8 batch on its device) unless `transform` is given,
+        tokenizer, input size and token spans, and the long-text tokenizer at Long-CLIP's context
+        (`models.LONG_CONTEXT`, GOAL's and MulCLIP's)."""
         from clipfinetune.models import LONG_CONTEXT
 
-        return cls(transform or model.transform, model.tokenize, model.image_size, token_span=model.token_span,
+        transform = transform or model.pixel_transform(train=random_geometry)
+        return cls(transform, model.tokenize, model.image_size, token_span=model.token_span,
                    tokenize_long=lambda texts: model.tokenize(texts, context_length=LONG_CONTEXT),
                    random_geometry=random_geometry)
 
@@ -543,13 +550,15 @@ class ShardLoader:
 
     A `train.loop.BatchSource`: `loader.epoch_length(epoch)` micro-batches of `batch_size` on this rank,
     `loader.batches(epoch, start)`. `batch_size` is the rank's micro-batch; the global batch (one optimiser step) is
-    batch_size x world_size x accum_steps, which must be the trainer's.
+    batch_size x world_size x accum_steps, which must be the trainer's. `pin_memory` (for a CUDA trainer): the
+    workers' batches are copied into page-locked memory by the DataLoader's pinning thread, so the trainer's
+    `non_blocking` copy to the device overlaps the step instead of staging through pageable memory.
     """
 
     def __init__(self, shards_dir: str | Path, split: str, method, ctx: ExampleContext, *, batch_size: int,
                  seed: int = 0, num_workers: int = 0, train: bool = True, epoch_unit: str = "image",
                  epoch_samples: int = 0, rank: int | None = None, world_size: int | None = None,
-                 accum_steps: int = 1):
+                 accum_steps: int = 1, pin_memory: bool = False):
         import webdataset as wds
 
         if batch_size < 1 or accum_steps < 1:
@@ -567,6 +576,7 @@ class ShardLoader:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         self.method, self.ctx, self.batch_size, self.seed = method, ctx, batch_size, seed
         self.num_workers, self.train, self.accum_steps = num_workers, train, accum_steps
+        self.pin_memory = pin_memory
         self.epoch_unit = method.epoch_unit if epoch_unit == "method" else "image"
         units = UnitTable(shards_dir, split, method, per_unit=self.epoch_unit != "image",
                           epoch_samples=epoch_samples, seed=seed)
@@ -609,7 +619,7 @@ class ShardLoader:
                 # a private generator: the DataLoader's worker seeds never consume the global torch RNG
                 self._loader = torch.utils.data.DataLoader(
                     self._stream, batch_size=None, num_workers=self.num_workers, persistent_workers=True,
-                    generator=torch.Generator().manual_seed(self.seed))
+                    pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed))
             it = iter(self._loader)
         else:
             it = iter(self._stream)

@@ -1,7 +1,8 @@
 """Batched, cached access to a model through the DEVELOPERS.md model API, and image loading.
 
-Everything the evaluation asks of a model goes through `Encoder`: `transform` / `eval_transform(resize_mode)`,
-`tokenize`, `encode_image`, `encode_text`, `region_features` (and `image_size` for box conversion). Embeddings
+Everything the evaluation asks of a model goes through `Encoder`: `pixel_transform(resize_mode)` (uint8 pixels, which
+the model normalises on its device: models/pixels.py), `tokenize`, `encode_image`, `encode_text`, `region_features`
+(and `image_size` for box conversion). Embeddings
 are cached per resize mode and image (path + crop box) and per text for one run, so benchmarks that share the
 val images and the protocol (retrieval, SugarCrepe, ...) encode each image once.
 
@@ -60,7 +61,7 @@ class Encoder:
 
     def _set_resize(self, resize_mode: str) -> None:
         self.resize_mode = resize_mode
-        self.transform = self.model.transform if resize_mode == "squash" else self.model.eval_transform(resize_mode)
+        self.transform = self.model.pixel_transform(resize_mode)
         self._images = self._by_mode.setdefault(resize_mode, {})
 
     def with_resize(self, resize_mode: str) -> Encoder:
@@ -118,7 +119,7 @@ class Encoder:
                     out.append(hit)
                     continue
             pils = [load_image(p) for p, _ in chunk]
-            x = torch.stack([self.model.transform(im) for im in pils]).to(self._device())
+            x = torch.stack([self.with_resize("squash").transform(im) for im in pils]).to(self._device())
             boxes = [resize_boxes(torch.as_tensor(b, dtype=torch.float32).reshape(-1, 4), im.size, size)
                      .to(self._device()) for im, (_, b) in zip(pils, chunk)]
             feats = self.model.region_features(x, boxes)

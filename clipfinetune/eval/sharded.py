@@ -132,8 +132,15 @@ class _UnitImages(Dataset):
             return torch.stack([transform(load_image(p, c)) for p, c in unit["keys"]]), []
         if unit["kind"] == "regions":
             pils = [load_image(p) for p, _ in unit["images"]]
-            return torch.stack([enc.model.transform(im) for im in pils]), [im.size for im in pils]
+            return torch.stack([enc.with_resize("squash").transform(im) for im in pils]), [im.size for im in pils]
         return torch.zeros(0), []
+
+
+def unit_images(units: list[dict], encoders: dict[str, Encoder], workers: int = 0) -> DataLoader:
+    """(uint8 pixels [n, 3, H, W], image sizes of a regions unit) of each unit, in order, decoded and transformed in
+    `workers` DataLoader workers (pinned for a CUDA model); a text unit gives an empty tensor."""
+    return DataLoader(_UnitImages(units, encoders), batch_size=None, num_workers=workers,
+                      pin_memory=any(_device(e.model).type == "cuda" for e in encoders.values()))
 
 
 @torch.inference_mode()
@@ -142,21 +149,20 @@ def encode_units(units: list[dict], encoders: dict[str, Encoder], workers: int =
     `Encoder.images` / `texts` / `regions` compute that batch. Images decoded in `workers` DataLoader workers."""
     from clipfinetune.boxes import resize_boxes
 
-    loader = DataLoader(_UnitImages(units, encoders), batch_size=None, num_workers=workers,
-                        pin_memory=any(_device(e.model).type == "cuda" for e in encoders.values()))
-    for i, (x, sizes) in enumerate(loader):
+    for i, (x, sizes) in enumerate(unit_images(units, encoders, workers)):
         unit = units[i]
         model = encoders[unit["model"]].model
         device = _device(model)
         if unit["kind"] == "images":
-            emb = F.normalize(model.encode_image(x.to(device), normalize=True).float(), dim=-1).cpu()
+            emb = F.normalize(model.encode_image(x.to(device, non_blocking=True), normalize=True).float(),
+                              dim=-1).cpu()
         elif unit["kind"] == "texts":
             tokens = model.tokenize(unit["texts"]).to(device)
             emb = F.normalize(model.encode_text(tokens, normalize=True).float(), dim=-1).cpu()
         else:
             boxes = [resize_boxes(torch.tensor(b, dtype=torch.float32).reshape(-1, 4), size, model.image_size)
                      .to(device) for size, (_, b) in zip(sizes, unit["images"])]
-            emb = F.normalize(model.region_features(x.to(device), boxes).float(), dim=-1).cpu()
+            emb = F.normalize(model.region_features(x.to(device, non_blocking=True), boxes).float(), dim=-1).cpu()
         yield i, {"emb": emb}
 
 

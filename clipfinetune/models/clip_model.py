@@ -18,6 +18,9 @@ Decisions the papers leave open:
 - The token mask keeps EOT and drops SOT and padding (FSC-CLIP `model.py` L330-333).
 - `transform` squash-resizes to the model's input size (no centre crop, FineCLIP), so boxes map by
   `boxes.resize_boxes`; its mean/std/interpolation are the model's own preprocess config.
+- Image input is either open_clip's normalised float tensor or uint8 pixels (`pixel_transform`, the same geometry
+  without the normalisation), which the model normalises on its own device (`pixels.py`): the loader and the
+  evaluation send uint8.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from open_clip.transformer import QuickGELU
 from torch import nn
 
 from . import regions
+from .pixels import channel_stats, normalize_pixels, pixel_transform
 from .text import get_tokenizer, token_span
 from .towers import text_pool, text_tower, vision_tower
 
@@ -51,6 +55,10 @@ class ClipModel(nn.Module):
                                "mean": list(preprocess["mean"]), "std": list(preprocess["std"]),
                                "interpolation": preprocess.get("interpolation", "bicubic"), "resize_mode": "squash"}
         self._reused: dict | None = None          # `reusing_features`: (kind, id(input), options) -> (input, result)
+        # uint8 input is normalised with these (not in the state dict: they follow from preprocess_cfg)
+        device = next(clip.parameters()).device
+        self.register_buffer("pixel_mean", channel_stats(preprocess["mean"], device), persistent=False)
+        self.register_buffer("pixel_std", channel_stats(preprocess["std"], device), persistent=False)
         self.transform = open_clip.image_transform(
             tuple(clip.visual.image_size), is_train=False, mean=tuple(preprocess["mean"]),
             std=tuple(preprocess["std"]), resize_mode="squash", interpolation=self.preprocess_cfg["interpolation"])
@@ -64,6 +72,14 @@ class ClipModel(nn.Module):
         return open_clip.image_transform(tuple(cfg["size"]), is_train=False, mean=tuple(cfg["mean"]),
                                          std=tuple(cfg["std"]), resize_mode=resize_mode,
                                          interpolation=cfg["interpolation"])
+
+    def pixel_transform(self, resize_mode: str = "squash", train: bool = False):
+        """PIL image -> uint8 [3, H, W]: the geometry of `eval_transform(resize_mode)` (`train`: of
+        `train_transform()`) without the float conversion and normalisation, which the model applies to uint8 input
+        itself. What the loader's workers and the evaluation compute (pixels.py: the same pixels within one grey
+        level, four times fewer bytes, several times faster)."""
+        cfg = self.preprocess_cfg
+        return pixel_transform(tuple(cfg["size"]), resize_mode, cfg["interpolation"], train=train)
 
     def train_transform(self):
         """open_clip's training preprocess, `image_transform(is_train=True)` = open_clip_train's `preprocess_train`
@@ -131,7 +147,13 @@ class ClipModel(nn.Module):
     def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         if self._reused is not None and normalize:
             return self.image_features(image)["global_"]
-        return self.clip.encode_image(image.to(self.input_dtype), normalize=normalize)
+        return self.clip.encode_image(self.image_input(image), normalize=normalize)
+
+    def image_input(self, image: torch.Tensor) -> torch.Tensor:
+        """The tower's input: uint8 pixels normalised with the model's mean/std (float32), then the input dtype."""
+        if image.dtype == torch.uint8:
+            image = normalize_pixels(image, self.pixel_mean, self.pixel_std)
+        return image.to(self.input_dtype)
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         if self._reused is not None and normalize:
@@ -161,7 +183,7 @@ class ClipModel(nn.Module):
     def _image_features(self, image: torch.Tensor, dense: bool) -> dict[str, torch.Tensor]:
         visual = self.clip.visual
         last = self.num_vision_blocks - 1
-        out = visual.forward_intermediates(image.to(self.input_dtype), indices=[last - 1, last] if dense else [last],
+        out = visual.forward_intermediates(self.image_input(image), indices=[last - 1, last] if dense else [last],
                                            output_fmt="NLC", output_extra_tokens=dense)
         hidden = out["image_intermediates"][-1]
         features = {"global_": F.normalize(out["image_features"], dim=-1), "global_raw": out["image_features"],
@@ -211,7 +233,7 @@ class ClipModel(nn.Module):
         """[B, D, gh, gw] L2-normalised MaskCLIP features (last block without attention mixing)."""
         last = self.num_vision_blocks - 1
         out = self.clip.visual.forward_intermediates(
-            image.to(self.input_dtype), indices=[last - 1], stop_early=True, intermediates_only=True,
+            self.image_input(image), indices=[last - 1], stop_early=True, intermediates_only=True,
             output_fmt="NLC", output_extra_tokens=True)
         return self._dense_head(out["image_intermediates_prefix"][0], out["image_intermediates"][0])
 
