@@ -4,23 +4,37 @@ train@<run> depends on data/runs/<its run>.json instead of declaring params: a `
 `loss.*` keys, so this stage declares `loss`, `runs`, `train` and `model.precision` whole and writes each run's
 resolved settings (its method, constructor kwargs, merged training settings, precision) as deterministic bytes.
 `dvc exp run -S loss.lambda_l=0.2` re-runs this stage (a second), which rewrites only the files of the runs whose
-settings change; DVC then re-trains exactly those runs. Run by hand: python stages/run_settings.py --stage run_settings
+settings change; DVC then re-trains exactly those runs. Each file also carries the run's code: the digest of
+data/code/methods/<m>.json (stage code) of every method the run loads (`Method.methods_run`: its own; the mix, the
+methods it names), so an edited loss re-trains the runs that load it, and a new method module none that exists.
+Run by hand: python stages/run_settings.py --stage run_settings
 """
 from __future__ import annotations
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import start
+from _common import ROOT, start
 
 from clipfinetune.io import write_json
 from clipfinetune.runs import resolve_runs
 
 OUT = "data/runs"
+CODE = "data/code/methods"
 
 
 def resolved(params) -> dict[str, dict]:
     """The declared params as the nested mapping `resolve_runs` takes."""
     return resolve_runs({"loss": params["loss"], "runs": params["runs"], "train": params["train"],
                          "model": {"precision": params["model.precision"]}})
+
+
+def run_code(settings: dict) -> dict[str, str]:
+    """{method: md5 of its data/code/methods/<method>.json} for every method the run loads."""
+    import hashlib
+
+    from clipfinetune.methods import get_method
+
+    methods = get_method(settings["method"]).methods_run(settings["config"])
+    return {m: hashlib.md5((ROOT / CODE / f"{m}.json").read_bytes()).hexdigest() for m in sorted(set(methods))}
 
 
 def main() -> None:
@@ -30,7 +44,7 @@ def main() -> None:
     except ValueError as e:              # a typo'd key, an unknown method, a clash: named, no traceback
         raise SystemExit(f"stage {params.stage}: {e}") from None
     for run, settings in runs.items():
-        write_json(f"{OUT}/{run}.json", settings)
+        write_json(f"{OUT}/{run}.json", {**settings, "code": run_code(settings)})
         log.info("%s: %s %s", run, settings["method"], settings["config"])
     params.check_all_read()
 

@@ -39,6 +39,12 @@ class Method:
     def __init__(self, **config: Any):
         self.config = dict(config)
 
+    @classmethod
+    def methods_run(cls, config: dict) -> tuple[str, ...]:
+        """The methods whose modules a run of this method with constructor kwargs `config` loads: its own (the
+        mix: the methods it names). Their code digests are the run's code (stage run_settings)."""
+        return (cls.name,)
+
     # ----------------------------------------------------------------------------------- data (loader workers)
     def wants(self, record: dict) -> bool:
         """Does this shard record carry the fields this method needs?"""

@@ -1,29 +1,39 @@
-"""Each stage's code deps in dvc.yaml are the files its script imports, so an edit re-runs only the stages it touches.
+"""Each stage's code is the files its script imports, so an edit re-runs only the stages it touches.
 
-    python -m clipfinetune.deps            # print, per stage, the code deps dvc.yaml lacks (+) or has in excess (-)
-    python -m clipfinetune.deps --write    # rewrite those lists in dvc.yaml (comments, order of other deps kept)
+    python -m clipfinetune.project.deps            # check dvc.yaml: a stage body lists no code file, depends on its digest
+    python -m clipfinetune.project.deps --write    # move any code file dvc.yaml lists into the stage's digest dep
+    python -m clipfinetune.project.deps --show train   # the files stage script stages/train.py loads
 
 A stage's import closure: every `import` / `from ... import` statement (at any depth: the stages import lazily inside
-`main`) of `stages/<stage>.py`, followed through the stages' helpers (`stages/_common.py`, `stages/_items.py`) and every clipfinetune module it reaches, with
-each package's `__init__.py` (importing a submodule runs it) and the data files a module reads (RESOURCES). The
-code deps of dvc.yaml are the entries under `stages/` and `clipfinetune/`; data deps are never touched.
+`main`) of `stages/<stage>.py`, followed through the stages' helpers (`stages/_common.py`, `stages/_items.py`) and
+every clipfinetune module it reaches, with each package's `__init__.py` (importing a submodule runs it) and the data
+files a module reads (RESOURCES); a folder whose modules load by name (RUNTIME: a source's reader) is taken whole.
+
+dvc.yaml lists no code file: stage `code` (stages/code.py; its deps the `stages` and `clipfinetune` folders) writes
+data/code/stages/<script>.json, the content digest of each stage script's closure (`stage_closure`), and each stage
+depends on its script's file, so dvc.yaml reads as the pipeline (`expected_code_dep`). An edit re-runs `code` (a
+second, no import of torch) and then exactly the stages whose digest changed.
 
 Runtime imports by name are not statements: `methods.get_method(name)` loads `clipfinetune/methods/<name>.py`. A
-foreach cannot give one run a list of files of its own, so a method's code reaches its runs through one file: stage
-`method_code` (its deps: every method's files, RUNTIME_DIRS) writes data/code/<method>.json, the content digest of
-that method's closure (`method_closure`: its module and what it imports; `custom`, the mix, loads every method), and
-train@<run> depends on data/code/<its method>.json: an edited loss re-trains that method's runs (and the mix's), no
-other. tests/test_stage_deps.py checks dvc.yaml against this module both ways.
+foreach cannot give one run a file of its own method, so stage `code` also writes data/code/methods/<method>.json,
+the digest of each method's closure (`method_closure`: its module and what it imports), and stage `run_settings`
+copies into data/runs/<run>.json the digests of the methods the run executes (`Method.methods_run`: its own; the
+mix, the methods it names): an edited loss re-trains that method's runs (and a mix naming it), no other, and a new
+method module re-trains nothing that exists. tests/test_stage_deps.py checks dvc.yaml and the closures.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "clipfinetune"
+CODE_DIR = "data/code"
+CODE_STAGE = "code"                 # the stage that writes the digests: it depends on the code folders themselves
+CODE_FOLDERS = ("clipfinetune", "stages")
 # data files a module reads next to itself (Path(__file__).parent / ...)
 RESOURCES = {
     "clipfinetune/models/loading.py": ["clipfinetune/models/configs"],
@@ -31,11 +41,9 @@ RESOURCES = {
     "clipfinetune/data/negatives/degla/llm.py": ["clipfinetune/data/negatives/degla/fewshot"],
     "clipfinetune/eval/box_cls.py": ["clipfinetune/eval/templates"],
 }
-# folders whose modules are loaded by name at run time, declared whole (with everything their files import):
-# by any stage that imports the module on the left (`readers.reader(name)` for a source's reader) ...
+# folders whose modules are loaded by name at run time, taken whole (with everything their files import) by any stage
+# that imports the module on the left (`readers.reader(name)` for a source's reader)
 RUNTIME = {"clipfinetune/data/readers/__init__.py": ["clipfinetune/data/readers"]}
-# ... and by the stage on the left (train@<run>: `methods.get_method(name)`; `custom` loads every method)
-RUNTIME_DIRS = {"method_code": ["clipfinetune/methods", "clipfinetune/losses"]}
 
 
 def _module_file(dotted: str) -> Path | None:
@@ -122,29 +130,19 @@ def closure(script: str | Path) -> list[str]:
 
 
 def method_closure(method: str) -> list[str]:
-    """The files a method's runs execute beyond the train stage's own closure: its module's import closure; the mix
-    (`registry.MIX`) loads every paper method by name at run time, so it has all of theirs."""
-    from clipfinetune.registry import METHODS, MIX
-
-    files = set(closure(f"{PACKAGE}/methods/{method}.py"))
-    for other in METHODS if method == MIX else ():
-        files |= set(closure(f"{PACKAGE}/methods/{other}.py"))
-    return sorted(files)
+    """The files a method's module loads by import statements (a run's code beyond the train stage's own)."""
+    return closure(f"{PACKAGE}/methods/{method}.py")
 
 
-def _is_code(dep: str) -> bool:
-    return dep.startswith(("stages/", f"{PACKAGE}/"))
+def stage_scripts() -> list[str]:
+    """Every stage script (stages/<name>.py; `_` helpers and the digest stage itself excluded)."""
+    return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "stages").glob("*.py")
+                  if not p.name.startswith("_") and p.stem != CODE_STAGE)
 
 
-def stage_script(body: dict) -> str:
-    """The script a stage runs: the `stages/<x>.py` of its cmd."""
-    (script,) = [w for w in body["cmd"].split() if w.startswith("stages/") and w.endswith(".py")]
-    return script
-
-
-def expected_code_deps(name: str, body: dict) -> list[str]:
-    """The stage script's closure, with each runtime folder it loads by name as one dep (and its files' closure)."""
-    files, folders, done = set(closure(stage_script(body))), set(RUNTIME_DIRS.get(name, [])), set()
+def stage_closure(script: str) -> list[str]:
+    """The stage script's closure with each runtime folder it loads by name (and its files' closure)."""
+    files, folders, done = set(closure(script)), set(), set()
     while True:
         folders |= {d for module, dirs in RUNTIME.items() if module in files for d in dirs}
         if not folders - done:
@@ -153,8 +151,53 @@ def expected_code_deps(name: str, body: dict) -> list[str]:
         done.add(folder)
         for path in sorted((ROOT / folder).rglob("*.py")):
             files |= set(closure(path.relative_to(ROOT)))
-    inside = lambda d: any(d == f or d.startswith(f + "/") for f in folders)
-    return sorted({d for d in files if not inside(d)} | folders)
+    return sorted(files | done)
+
+
+def digest(rel: str) -> str:
+    """md5 of a file, or of a folder's files (each one's path and bytes)."""
+    path = ROOT / rel
+    files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) \
+        if path.is_dir() else [path]
+    h = hashlib.md5()
+    for f in files:
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def digests(files) -> dict[str, str]:
+    """{file or folder: md5}, what a data/code/*.json file holds (a folder inside another entry counts once)."""
+    files = sorted(files)
+    inside = lambda f: any(f != d and f.startswith(d + "/") for d in files if (ROOT / d).is_dir())
+    return {f: digest(f) for f in files if not inside(f)}
+
+
+def code_files() -> dict[str, dict[str, str]]:
+    """data/code's files (relative to it) -> their content: every stage script's digest and every method's."""
+    from clipfinetune.registry import METHODS, MIX
+
+    out = {f"stages/{Path(s).stem}.json": digests(stage_closure(s)) for s in stage_scripts()}
+    out |= {f"methods/{m}.json": digests(method_closure(m)) for m in (*METHODS, MIX)}
+    return out
+
+
+def _is_code(dep) -> bool:
+    return isinstance(dep, str) and dep.startswith(("stages/", f"{PACKAGE}/"))
+
+
+def stage_script(body: dict) -> str:
+    """The script a stage runs: the `stages/<x>.py` of its cmd."""
+    (script,) = [w for w in body["cmd"].split() if w.startswith("stages/") and w.endswith(".py")]
+    return script
+
+
+def expected_code_dep(body: dict) -> str | None:
+    """The one code dep of a stage body: its script's digest (None: the digest stage, or an always-changed stage,
+    which runs on every repro whatever its code)."""
+    script = stage_script(body)
+    if Path(script).stem == CODE_STAGE or body.get("always_changed"):
+        return None
+    return f"{CODE_DIR}/stages/{Path(script).stem}.json"
 
 
 def _bodies(dvc: dict):
@@ -163,22 +206,27 @@ def _bodies(dvc: dict):
 
 
 def diff(dvc: dict) -> dict[str, tuple[list[str], list[str]]]:
-    """stage -> (code deps dvc.yaml lacks, code deps it has in excess); stages that agree are left out."""
+    """stage -> (code deps dvc.yaml lacks, code deps it lists in excess); stages that agree are left out."""
     out = {}
     for name, body in _bodies(dvc):
         if "cmd" not in body:                               # eval_base: the eval body through a YAML merge key
             continue
-        declared = [d for d in body.get("deps", []) if isinstance(d, str) and _is_code(d)]
-        expected = expected_code_deps(name, body)
-        missing, extra = sorted(set(expected) - set(declared)), sorted(set(declared) - set(expected))
+        deps = [d for d in body.get("deps", []) if isinstance(d, str)]
+        if Path(stage_script(body)).stem == CODE_STAGE:
+            missing = sorted(set(CODE_FOLDERS) - set(deps))
+            extra = sorted(d for d in deps if _is_code(d) and d not in CODE_FOLDERS)
+        else:
+            wanted = expected_code_dep(body)
+            missing = [wanted] if wanted and wanted not in deps else []
+            extra = sorted(d for d in deps if _is_code(d) or (d.startswith(CODE_DIR + "/stages/") and d != wanted))
         if missing or extra:
             out[name] = (missing, extra)
     return out
 
 
 def write(path: Path = ROOT / "dvc.yaml") -> dict:
-    """Rewrite each stage's code deps in dvc.yaml to its closure: the stage script first, then the rest sorted,
-    the data deps after them as they were."""
+    """Rewrite dvc.yaml: each stage body's code files replaced by its digest dep (first), its data deps kept in
+    order with their comments."""
     from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedSeq
 
@@ -191,12 +239,11 @@ def write(path: Path = ROOT / "dvc.yaml") -> dict:
     for name, body in _bodies(dvc):
         if name not in changes or getattr(body, "merge", None):    # eval_base: follows the eval body it merges
             continue
-        script = stage_script(body)
-        code = [script] + [d for d in expected_code_deps(name, body) if d != script]
-        old = body["deps"]
-        data = [i for i, d in enumerate(old) if not (isinstance(d, str) and _is_code(d))]
-        new = CommentedSeq(code + [old[i] for i in data])
-        for j, i in enumerate(data, start=len(code)):          # a data dep keeps its end-of-line comment
+        missing, extra = changes[name]
+        old = body.get("deps", CommentedSeq())
+        keep = [i for i, d in enumerate(old) if d not in extra]
+        new = CommentedSeq(missing + [old[i] for i in keep])
+        for j, i in enumerate(keep, start=len(missing)):         # a data dep keeps its end-of-line comment
             if i in old.ca.items:
                 new.ca.items[j] = old.ca.items[i]
         body["deps"] = new
@@ -208,9 +255,13 @@ def write(path: Path = ROOT / "dvc.yaml") -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clipfinetune.deps", description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="rewrite the code deps in dvc.yaml")
+    p = argparse.ArgumentParser(prog="python -m clipfinetune.project.deps", description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="replace the code files dvc.yaml lists by the digest deps")
+    p.add_argument("--show", metavar="STAGE", help="print the files the stage script stages/STAGE.py loads")
     args = p.parse_args(argv)
+    if args.show:
+        print("\n".join(stage_closure(f"stages/{args.show}.py")))
+        return 0
     import yaml
 
     changes = write() if args.write else diff(yaml.safe_load((ROOT / "dvc.yaml").read_text()))
