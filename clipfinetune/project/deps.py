@@ -174,10 +174,10 @@ def digests(files) -> dict[str, str]:
 
 def code_files() -> dict[str, dict[str, str]]:
     """data/code's files (relative to it) -> their content: every stage script's digest and every method's."""
-    from clipfinetune.registry import METHODS, MIX
+    from clipfinetune.registry import MIX, discover
 
     out = {f"stages/{Path(s).stem}.json": digests(stage_closure(s)) for s in stage_scripts()}
-    out |= {f"methods/{m}.json": digests(method_closure(m)) for m in (*METHODS, MIX)}
+    out |= {f"methods/{m}.json": digests(method_closure(m)) for m in (*discover(ROOT / PACKAGE / "methods"), MIX)}
     return out
 
 
