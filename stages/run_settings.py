@@ -4,21 +4,21 @@ train@<run> depends on data/runs/<its run>.json instead of declaring params: a `
 `loss.*` keys, so this stage declares `loss`, `runs`, `train` and `model.precision` whole and writes each run's
 resolved settings (its method, constructor kwargs, merged training settings, precision) as deterministic bytes.
 `dvc exp run -S loss.lambda_l=0.2` re-runs this stage (a second), which rewrites only the files of the runs whose
-settings change; DVC then re-trains exactly those runs. Each file also carries the run's code: the digest of
-data/code/methods/<m>.json (stage code) of every method the run loads (`Method.methods_run`: its own; the mix, the
-methods it names), so an edited loss re-trains the runs that load it, and a new method module none that exists.
+settings change; DVC then re-trains exactly those runs. Each file also carries the run's code: a digest of the
+import closure of every method the run loads (`Method.methods_run`: its own; the mix, the methods it names; its dep
+data/code/methods holds stage code's digests of the same files), so an edited loss re-trains the runs that load it,
+and a new method module none that exists.
 Run by hand: python stages/run_settings.py --stage run_settings
 """
 from __future__ import annotations
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, start
+from _common import start
 
 from clipfinetune.io import write_json
 from clipfinetune.runs import resolve_runs
 
 OUT = "data/runs"
-CODE = "data/code/methods"
 
 
 def resolved(params) -> dict[str, dict]:
@@ -28,13 +28,17 @@ def resolved(params) -> dict[str, dict]:
 
 
 def run_code(settings: dict) -> dict[str, str]:
-    """{method: md5 of its data/code/methods/<method>.json} for every method the run loads."""
+    """{method: md5 of its code digest} for every method the run loads: the same content as stage code's
+    data/code/methods/<method>.json (this stage's dep), computed here so a run by hand needs no other stage."""
     import hashlib
+    import json
 
     from clipfinetune.methods import get_method
+    from clipfinetune.project.deps import digests, method_closure
 
-    methods = get_method(settings["method"]).methods_run(settings["config"])
-    return {m: hashlib.md5((ROOT / CODE / f"{m}.json").read_bytes()).hexdigest() for m in sorted(set(methods))}
+    methods = sorted(set(get_method(settings["method"]).methods_run(settings["config"])))
+    return {m: hashlib.md5(json.dumps(digests(method_closure(m)), sort_keys=True).encode()).hexdigest()
+            for m in methods}
 
 
 def main() -> None:
