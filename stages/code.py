@@ -3,8 +3,9 @@
 dvc.yaml lists no code file: each stage depends on data/code/stages/<its script>.json, the content digest of what its
 script imports (`clipfinetune.project.deps.stage_closure`), and each run on its method's data/code/methods/<method>.json
 through data/runs/<run>.json (stage run_settings). This stage depends on the `clipfinetune` and `stages` folders
-whole and reads each file once (a second, nothing imported): an edit rewrites only the digests of the stages and
-methods that load the file, so `dvc repro` then re-runs exactly those. Run by hand: python stages/code.py --stage code
+whole and parses each file once (seconds; it imports none of them): an edit rewrites only the digests of the stages
+and methods that load the file, so `dvc repro` then re-runs exactly those.
+Run by hand: python stages/code.py --stage code
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Each stage's code is the files its script imports, so an edit re-runs only the stages it touches.
 
-    python -m clipfinetune.project.deps            # check dvc.yaml: a stage body lists no code file, depends on its digest
-    python -m clipfinetune.project.deps --write    # move any code file dvc.yaml lists into the stage's digest dep
-    python -m clipfinetune.project.deps --show train   # the files stage script stages/train.py loads
+    python -m clipfinetune.project.deps              # check: no stage body lists a code file, each has its digest
+    python -m clipfinetune.project.deps --write      # move any code file dvc.yaml lists into the stage's digest dep
+    python -m clipfinetune.project.deps --show train # the files stage script stages/train.py loads
 
 A stage's import closure: every `import` / `from ... import` statement (at any depth: the stages import lazily inside
 `main`) of `stages/<stage>.py`, followed through the stages' helpers (`stages/_common.py`, `stages/_items.py`) and
@@ -11,8 +11,8 @@ files a module reads (RESOURCES); a folder whose modules load by name (RUNTIME: 
 
 dvc.yaml lists no code file: stage `code` (stages/code.py; its deps the `stages` and `clipfinetune` folders) writes
 data/code/stages/<script>.json, the content digest of each stage script's closure (`stage_closure`), and each stage
-depends on its script's file, so dvc.yaml reads as the pipeline (`expected_code_dep`). An edit re-runs `code` (a
-second, no import of torch) and then exactly the stages whose digest changed.
+depends on its script's file, so dvc.yaml reads as the pipeline (`expected_code_dep`). An edit re-runs `code`
+(seconds: it parses the files, imports none) and then exactly the stages whose digest changed.
 
 Runtime imports by name are not statements: `methods.get_method(name)` loads `clipfinetune/methods/<name>.py`. A
 foreach cannot give one run a file of its own method, so stage `code` also writes data/code/methods/<method>.json,
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import hashlib
 import sys
 from pathlib import Path
@@ -109,7 +110,25 @@ def module_imports(path: Path) -> set[Path]:
 
 def _imports(path: Path) -> set[Path]:
     """The project files one file's import statements load: each module with the `__init__.py` above it."""
-    return {p for f in module_imports(path) for p in _with_parents(f)}
+    if _memo is not None and path in _memo["imports"]:
+        return _memo["imports"][path]
+    found = {p for f in module_imports(path) for p in _with_parents(f)}
+    if _memo is not None:
+        _memo["imports"][path] = found
+    return found
+
+
+_memo: dict | None = None          # within `_memoized()`: each file parsed and hashed once for every closure
+
+
+@contextlib.contextmanager
+def _memoized():
+    global _memo
+    _memo = {"imports": {}, "digest": {}}
+    try:
+        yield
+    finally:
+        _memo = None
 
 
 def closure(script: str | Path) -> list[str]:
@@ -156,28 +175,33 @@ def stage_closure(script: str) -> list[str]:
 
 def digest(rel: str) -> str:
     """md5 of a file, or of a folder's files (each one's path and bytes)."""
+    if _memo is not None and rel in _memo["digest"]:
+        return _memo["digest"][rel]
     path = ROOT / rel
     files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) \
         if path.is_dir() else [path]
     h = hashlib.md5()
     for f in files:
         h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    if _memo is not None:
+        _memo["digest"][rel] = h.hexdigest()
     return h.hexdigest()
 
 
 def digests(files) -> dict[str, str]:
     """{file or folder: md5}, what a data/code/*.json file holds (a folder inside another entry counts once)."""
     files = sorted(files)
-    inside = lambda f: any(f != d and f.startswith(d + "/") for d in files if (ROOT / d).is_dir())
-    return {f: digest(f) for f in files if not inside(f)}
+    folders = [d + "/" for d in files if (ROOT / d).is_dir()]
+    return {f: digest(f) for f in files if not any(f.startswith(d) for d in folders)}
 
 
 def code_files() -> dict[str, dict[str, str]]:
     """data/code's files (relative to it) -> their content: every stage script's digest and every method's."""
     from clipfinetune.registry import MIX, discover
 
-    out = {f"stages/{Path(s).stem}.json": digests(stage_closure(s)) for s in stage_scripts()}
-    out |= {f"methods/{m}.json": digests(method_closure(m)) for m in (*discover(ROOT / PACKAGE / "methods"), MIX)}
+    with _memoized():
+        out = {f"stages/{Path(s).stem}.json": digests(stage_closure(s)) for s in stage_scripts()}
+        out |= {f"methods/{m}.json": digests(method_closure(m)) for m in (*discover(ROOT / PACKAGE / "methods"), MIX)}
     return out
 
 
