@@ -51,7 +51,7 @@ STAGE_SOURCE_KIND = {"word_regions": "short", "negatives": "short", "sentences":
 DOWNSTREAM = {"sentences": ["lism"], "segments": ["lism"]}
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1", ""}
 ITEM_SCRIPTS = {"stages/segments.py", "stages/lism.py", "stages/eval.py"}
-MINOR = {"sample", "method_code", "benchmarks", "report"}     # seconds to minutes at any size: left out of the summary
+MINOR = {"sample", "code", "benchmarks", "report"}     # seconds to minutes at any size: left out of the summary
 
 
 @dataclass

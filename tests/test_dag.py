@@ -13,7 +13,9 @@ nothing):
     and report, and `dvc metrics diff` lists only those models' rows;
   - the older spelling `runs.fsc_clip.lambda_l` (edited by hand) re-trains fsc_clip alone;
   - changing `train.seed` (what `make seeds` varies) marks every train@ run and not pretrain;
-  - editing one method's loss file marks only that method's runs (through stage method_code);
+  - editing a module marks stage `code`, and after it only the stages that import the module; editing one method's
+    loss file marks only the runs that load that method;
+  - adding a method (its modules, loss weight and run) marks no existing train@ or eval@;
   - every model stage records the precision it ran in (`model.precision: auto`).
 Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
 """
@@ -59,6 +61,18 @@ def set_runs(repo: Path, runs: dict) -> None:
         y.dump(params, f)
 
 
+def add_throwaway_method(repo: Path) -> None:
+    """methods/throwaway.py + losses/throwaway.py (plain CLIP under another name, with a weight of its own), its
+    `loss` key and its run `runs.throwaway: {method: throwaway}`."""
+    package = repo / "clipfinetune"
+    (package / "losses" / "throwaway.py").write_text("from .clip import *  # noqa: F403\n")
+    (package / "methods" / "throwaway.py").write_text(
+        "from clipfinetune.losses import throwaway  # noqa: F401\n\nfrom .clip import ClipMethod\n\n\n"
+        "class ThrowawayMethod(ClipMethod):\n    name = \"throwaway\"\n\n"
+        "    def __init__(self, lambda_throwaway: float = 1.0):\n        super().__init__()\n")
+    write_params(repo, {"loss": {"lambda_throwaway": 0.5}, "runs": {"throwaway": {"method": "throwaway"}}})
+
+
 @pytest.fixture(scope="module")
 def dag(tmp_path_factory):
     repo = copy_project(tmp_path_factory.mktemp("dag") / "project")
@@ -100,15 +114,20 @@ def dag(tmp_path_factory):
     code = llm.read_bytes()
     llm.write_bytes(code + b"# edited\n")
     rec["status_llm_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "dvc", "repro", "code")
+    rec["status_llm_edit_digests"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     llm.write_bytes(code)
+    _run(repo, "dvc", "repro", "code")
     loss = repo / "clipfinetune" / "losses" / "degla.py"                   # one method's loss file
     code = loss.read_bytes()
     loss.write_bytes(code + b"# edited\n")
     rec["status_loss_edit"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
-    rec["loss_edit_ran"] = RAN.findall(_run(repo, "dvc", "repro", "method_code").stdout)
+    rec["loss_edit_ran"] = RAN.findall(_run(repo, "dvc", "repro", "code").stdout)
     rec["status_loss_edit_digests"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    _run(repo, "dvc", "repro", "run_settings")
+    rec["status_loss_edit_runs"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     loss.write_bytes(code)
-    _run(repo, "dvc", "repro", "method_code", "run_settings")              # the baseline's digests again
+    _run(repo, "dvc", "repro", "code", "run_settings")                     # the baseline's digests again
     rec["status_restored"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
 
     # the card's sweep and comparison, exactly as written
@@ -117,6 +136,12 @@ def dag(tmp_path_factory):
     rec["exp_seconds"] = time.perf_counter() - t0
     rec["lock_exp"] = _lock(repo)
     rec["metrics_diff"] = _run(repo, *CARD[2]).stdout
+
+    # a new method, as DEVELOPERS.md adds one: its two modules, its loss weight, its run; nothing else is edited
+    add_throwaway_method(repo)
+    rec["status_new_method"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    rec["new_method_ran"] = RAN.findall(_run(repo, "dvc", "repro", "code", "run_settings").stdout)
+    rec["status_new_method_resolved"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
     print(f"\n[dag] exp run {rec['exp_seconds']:.0f}s")
     print(f"\n[dag] repro {rec['repro_seconds']:.0f}s")
     return rec
@@ -196,18 +221,31 @@ def test_the_older_spelling_of_one_runs_weight_retrains_that_run_alone(dag):
 
 
 def test_editing_a_module_marks_only_the_stages_that_import_it(dag):
-    """Code deps are import closures (clipfinetune/deps.py): DeGLA's LLM client is `negatives`' alone."""
-    assert list(_changed(dag["status_llm_edit"])) == ["negatives@coco"]
+    """Code digests are import closures (clipfinetune/project/deps.py): an edit marks stage `code`, which rewrites
+    the digests; DeGLA's LLM client is then `negatives`' alone."""
+    assert list(_changed(dag["status_llm_edit"])) == ["code"]
+    assert list(_changed(dag["status_llm_edit_digests"])) == ["negatives@coco"]
 
 
 def test_editing_one_methods_loss_marks_only_its_runs(dag):
-    """A method's code reaches train@<run> as data/code/<method>.json (stage method_code): editing DeGLA's loss file
-    changes DeGLA's digest and the mix's (custom mixes every method), so only their runs are stale (and the resolver,
-    which re-reads the methods' constructors: its unchanged files re-train nothing)."""
-    assert list(_changed(dag["status_loss_edit"])) == ["method_code"]
-    assert dag["loss_edit_ran"] == ["method_code"]
-    assert set(_changed(dag["status_loss_edit_digests"])) == {"run_settings", "train@degla", "train@custom"}
+    """A method's code reaches train@<run> through data/code/methods/<method>.json (stage code), copied by
+    run_settings into the file of every run that loads the method: editing DeGLA's loss file re-trains the DeGLA run
+    and the mix, whose terms name DeGLA's, and no other."""
+    assert list(_changed(dag["status_loss_edit"])) == ["code"]
+    assert dag["loss_edit_ran"] == ["code"]
+    assert set(_changed(dag["status_loss_edit_digests"])) == {"run_settings"}
+    assert set(_changed(dag["status_loss_edit_runs"])) == {"train@degla", "train@custom"}
     assert _changed(dag["status_restored"]) == {}
+
+
+def test_a_new_method_retrains_nothing_that_exists(dag):
+    """Adding methods/<m>.py + losses/<m>.py + its `loss` key and run: before the generated files are rewritten only
+    the digest and settings stages, the report (params `runs`) and the new run's stages are stale; after them, the
+    new run's stages and the report. No existing train@ or eval@ is ever marked."""
+    new = {"train@throwaway", "eval@throwaway", "report"}
+    assert set(_changed(dag["status_new_method"])) == new | {"code", "run_settings"}
+    assert dag["new_method_ran"] == ["code", "run_settings"]
+    assert set(_changed(dag["status_new_method_resolved"])) == new
 
 
 def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):

@@ -1,7 +1,7 @@
 """The package's import graph has no circle: no module reaches itself through the modules it imports, and no two
 subpackages (`clipfinetune.data`, `clipfinetune.eval`, ...; a top-level module counts as its own) import each other.
 Imports inside functions count as much as those at module level: they are the same dependency, only later, and the
-code deps (clipfinetune/deps.py) follow both. A circle ties the modules in it to one another's edits (a `shards` stage
+code digests (clipfinetune/project/deps.py) follow both. A circle ties the modules in it to one another's edits (a `shards` stage
 re-run by a model edit) and leaves no order in which to read or change them."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from clipfinetune import deps
+from clipfinetune.project import deps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def _name(path: Path, root: Path) -> str:
 
 
 def module_graph(root: Path = ROOT) -> nx.DiGraph:
-    """Module -> each package module its import statements name (clipfinetune.deps.module_imports)."""
+    """Module -> each package module its import statements name (clipfinetune.project.deps.module_imports)."""
     graph = nx.DiGraph()
     for path in sorted((root / deps.PACKAGE).rglob("*.py")):
         graph.add_node(_name(path, root))

@@ -37,7 +37,7 @@ PAPER_DATA_STAGES = {"harmoclip": {"word_regions@coco"}, "fsc_clip": set(), "deg
                      "goal": {"sentences@docci", "segments@docci", "lism@docci"}, "mulclip": {"sentences@docci"}}
 # what every paper needs besides: the base weights, the method code digests, shards, the benchmark manifest, the
 # base's evaluation and the report (no sample world: nothing of a real run reads data/sample)
-EVERY_RECIPE = {"plan@repro", "pretrain", "method_code", "run_settings", "shards", "benchmarks", "eval_base", "report"}
+EVERY_RECIPE = {"plan@repro", "pretrain", "code", "run_settings", "shards", "benchmarks", "eval_base", "report"}
 WEIGHTS = "datasets/weights/clip-tiny"          # stands in for every pretrained checkpoint (and LISM's matcher)
 # the compute and service stand-ins of a CPU test: no path or layout of a recipe is changed
 CPU = {"model": {"pretrained": f"local-dir:{WEIGHTS}"}, "segments": {"sam_checkpoint": ""}}

@@ -70,3 +70,12 @@ def test_every_loss_reads_only_names_of_the_one_feature_vocabulary():
         read |= set(re.findall(r'\bf(?:eatures)?(?:\["|\.get\(")([a-z_]+)"', path.read_text()))
     assert read - set(FEATURES) == set()
     assert set(FEATURES) - read == set()
+
+
+def test_methods_are_discovered_from_their_modules(tmp_path):
+    """A new method is its files: a module in methods/ is registered (the baseline first, then by name), the
+    protocol, the mix and `_` helpers are not; registry.py itself is not edited."""
+    for name in ("base", "custom", "_helpers", "zeta", "clip", "alpha", "__init__"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert registry.discover(tmp_path) == ("clip", "alpha", "zeta")
+    assert registry.METHODS == registry.discover()

@@ -191,7 +191,7 @@ def test_editing_the_report_re_runs_report_alone():
 
     import yaml
 
-    from clipfinetune.deps import closure
+    from clipfinetune.project.deps import closure, expected_code_dep, stage_closure, stage_script
 
     root = Path(__file__).resolve().parents[1]
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
@@ -202,9 +202,14 @@ def test_editing_the_report_re_runs_report_alone():
     def covers(dep: str, f: str) -> bool:
         return f == dep or f.startswith(dep.rstrip("/") + "/")
 
+    def code(body: dict) -> list[str]:
+        """The code a stage re-runs on: the closure its digest dep (data/code/stages/<script>.json) covers."""
+        if "cmd" not in body or expected_code_dep(body) not in (body.get("deps") or []):
+            return []
+        return stage_closure(stage_script(body))
+
     for name, stage in stages.items():
-        deps = [d for d in (stage.get("do", stage).get("deps") or []) if isinstance(d, str)]
-        covered = [f for f in report_files if any(covers(d, f) for d in deps)]
+        covered = [f for f in report_files if any(covers(d, f) for d in code(stage.get("do", stage)))]
         assert covered == (report_files if name == "report" else []), name
 
     def imported(path: Path) -> set[str]:
@@ -220,7 +225,7 @@ def test_editing_the_report_re_runs_report_alone():
 
     for f in (root / "clipfinetune/eval").rglob("*.py"):
         assert not any(m.startswith("clipfinetune.report") for m in imported(f)), f
-    report_deps = stages["report"]["deps"]
+    report_deps = code(stages["report"])
     for f in report_files:
         for m in imported(root / f) - {"clipfinetune.io"}:      # the atomic writers, undeclared by every stage
             assert any(covers(d, m.replace(".", "/") + ".py") for d in report_deps), (f, m)

@@ -36,6 +36,12 @@ class Method:
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     epoch_unit: str = "image"                   # what the paper's epoch iterates: image | caption | word_region
 
+    @classmethod
+    def methods_run(cls, config: dict) -> tuple[str, ...]:
+        """The methods whose modules a run of this method with constructor kwargs `config` loads: its own (the
+        mix: the methods it names). Their code digests are the run's code (stage run_settings)."""
+        return (cls.name,)
+
     # ----------------------------------------------------------------------------------- data (loader workers)
     def wants(self, record: dict) -> bool:
         """Does this shard record carry the fields this method needs?"""

@@ -66,14 +66,21 @@ def terms_of_methods() -> dict[str, dict[str, str | None]]:
 SHARED_FIELDS = ("image",)
 
 
+def _terms_of(method: str) -> dict[str, str | None] | None:
+    """A registered method's `terms` (None: no such method). Only the methods a mix names are loaded, so a run's
+    code is theirs (`CustomMethod.methods_run`), not every registered method's."""
+    from clipfinetune.registry import METHODS
+
+    return get_method(method).terms if method in METHODS else None
+
+
 def parse_terms(terms: dict) -> dict[str, dict[str, float]]:
     """{"<method>.<term>": weight} -> {method: {term: weight}} (clip first, then in order); 0 weights dropped."""
-    known_terms = terms_of_methods()
     weights: dict[str, dict[str, float]] = {"clip": {"contrastive": 1.0}}
     for key, weight in (terms or {}).items():
         method, _, term = str(key).partition(".")
-        if method not in known_terms or term not in known_terms[method]:
-            known = ", ".join(f"{m}.{t}" for m, ts in known_terms.items() for t in ts)
+        if term not in (_terms_of(method) or {}):
+            known = ", ".join(f"{m}.{t}" for m, ts in terms_of_methods().items() for t in ts)
             raise ValueError(f"custom.terms: unknown term {key!r}; known: {known}")
         weight = float(weight)
         if not math.isfinite(weight):
@@ -143,6 +150,10 @@ class CustomMethod(Method):
                                            for m, ts in self.weights.items()}
         for name, method in self.methods.items():
             method.join_mix(frozenset(self.weights[name]))
+
+    @classmethod
+    def methods_run(cls, config: dict) -> tuple[str, ...]:
+        return (cls.name, *parse_terms(config.get("terms") or {}))
 
     def wants(self, record: dict) -> bool:
         return all(m.wants(record) for m in self.methods.values())

@@ -1,0 +1,1 @@
+"""The project's tools: they read dvc.yaml and params.yaml (the library below them never does)."""

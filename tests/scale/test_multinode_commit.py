@@ -12,7 +12,7 @@ from faults.conftest import ENV, OUTPUTS, PREPARING, PY, run_stage, tiny_project
 from scale.test_train_ranks import data_meta, train_on_two_nodes
 
 UPSTREAM = ["sample", *[f"{s}@{PREPARING[s]}" for s in ("word_regions", "sentences", "segments", "negatives",
-                                                       "lism")], "pretrain", "shards", "method_code", "run_settings"]
+                                                       "lism")], "pretrain", "shards", "code", "run_settings"]
 
 
 def dvc(root, *args, check=True) -> subprocess.CompletedProcess:
@@ -24,7 +24,7 @@ def dvc(root, *args, check=True) -> subprocess.CompletedProcess:
 def test_a_stage_trained_on_two_nodes_is_committed_and_dvc_status_is_clean(tiny_project, tmp_path):  # noqa: F811
     data = [rel for rels in OUTPUTS.values() for rel in rels] + ["models/base", "dvclive/pretrain"]
     proj = tiny_project.clone(tmp_path / "nodes", data)
-    run_stage(proj.root, "method_code")
+    run_stage(proj.root, "code")
     run_stage(proj.root, "run_settings")                       # data/runs/clip.json: what train@clip trains with
     dvc(proj.root, "commit", "-f", *UPSTREAM)                   # what `dvc repro <upstream>` would have recorded
     assert "train@clip" in dvc(proj.root, "status", "train@clip").stdout

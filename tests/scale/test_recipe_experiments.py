@@ -65,7 +65,7 @@ def papers(tmp_path_factory):
 def test_each_paper_runs_its_own_stages_and_never_the_sample_world(papers):
     for name, paper in ((A, A), (B, B)):
         ran, dag = set(papers["ran"][name]), papers["dag_" + name]
-        assert ran <= dag and dag - ran <= {"method_code"}, (name, sorted(ran ^ dag))    # the code did not change
+        assert ran <= dag and dag - ran <= {"code"}, (name, sorted(ran ^ dag))    # the code did not change
         assert {s.split("@")[0] for s in ran} >= {"train", "eval", "pretrain", "shards"}
         assert not [s for s in dag if s.startswith("sample")]
         assert {s.split("@")[1] for s in ran if s.startswith("train@")} == set(
