@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import _common
+from stages import _common
 
 from clipfinetune import parts
 

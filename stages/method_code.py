@@ -8,9 +8,11 @@ once (milliseconds). Run by hand: python stages/method_code.py --stage method_co
 from __future__ import annotations
 
 import hashlib
+import sys
+from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import ROOT, start
 
 from clipfinetune.deps import method_closure
 from clipfinetune.io import write_json
