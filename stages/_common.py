@@ -1,8 +1,7 @@
 """What every stage shares: its declared params, logging, and the run-by-hand switch.
 
-`stages` is a namespace package: a stage script puts this checkout's root first on sys.path (run as
-`python stages/<name>.py` by dvc.yaml or by hand) and imports `from stages._common import start`; tests import the
-same modules as `stages.<name>`. Every stage starts `args, params, log = start(__doc__, "<stage>")` (the parsed
+A stage script puts this checkout's root first on sys.path (it runs as `python stages/<name>.py`, from dvc.yaml or
+by hand) and imports `from stages._common import start`; tests import the same modules as `stages.<name>`. Every stage starts `args, params, log = start(__doc__, "<stage>")` (the parsed
 command line, the declared params, a logger), and ends with `params.check_all_read()`.
 
 A stage sees only the params dvc.yaml declares for it (what `dvc.api.params_show(stages=[name])` gives, read here

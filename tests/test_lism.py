@@ -169,18 +169,17 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     are neither training images nor in the test list (counted)."""
     import json
     import sys
-    from pathlib import Path
+
+    from stages import _common
+    from stages import lism as stage
 
     import pandas as pd
     from PIL import Image
 
     from clipfinetune.models import export_model, load_model
 
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.syspath_prepend(str(root / "stages"))
     monkeypatch.chdir(tmp_path)
-    import lism as stage
-    from _common import StageParams
+    StageParams = _common.StageParams
 
     export_model(load_model("cft-tiny-vit"), tmp_path / "matcher")
     lines = []
@@ -199,7 +198,7 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
         "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
                  "segments": "segments.parquet", "ground_truth": "", "batch_size": 8,
                  "workers": 1}})
-    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
+    monkeypatch.setattr(_common, "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism@docci"])
     stage.main()
     metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]
