@@ -193,7 +193,7 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
                   for k, t in enumerate(("A red box.", "A blue square."))]).to_parquet(tmp_path / "sentences.parquet")
     pd.DataFrame([{"image_id": ex, "segment_id": 0, "x0": 10.0, "y0": 5.0, "x1": 30.0, "y1": 21.0, "area_frac": 0.06}
                   for ex in ids]).to_parquet(tmp_path / "segments.parquet")
-    params = StageParams("lism", {
+    params = StageParams("lism@docci", {
         "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
         "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
                  "segments": "segments.parquet", "ground_truth": "", "batch_size": 8,
