@@ -16,8 +16,8 @@ class PretrainFeatures(ClipFeatures):
         if "region_boxes" not in batch:
             return super().forward(batch)
         image = self.model.image_features(batch["image"], dense=True)   # one forward: embedding and dense map
-        # sync: the count of distinct names sizes the text batch (each name encoded once, once in the loss's
-        # denominator); one read a step, the sample world's pretraining only
+        # the count of distinct names sizes the text batch (each name encoded once, once in the loss's denominator)
+        # sync: one read a step, in the sample world's pretraining only
         names, inverse = torch.unique(batch["region_text"], dim=0, return_inverse=True)
         return {"image": image["global_"],
                 "text": self.model.encode_text(batch["text"], normalize=True),
