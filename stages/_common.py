@@ -1,8 +1,9 @@
 """What every stage shares: its declared params, logging, and the run-by-hand switch.
 
 A stage script puts this checkout's root first on sys.path (it runs as `python stages/<name>.py`, from dvc.yaml or
-by hand) and imports `from stages._common import start`; tests import the same modules as `stages.<name>`. Every stage starts `args, params, log = start(__doc__, "<stage>")` (the parsed
-command line, the declared params, a logger), and ends with `params.check_all_read()`.
+by hand) and imports `from stages._common import start`; tests import the same modules as `stages.<name>`.
+Every stage starts `args, params, log = start(__doc__, "<stage>")` (the parsed command line, the declared params, a
+logger), and ends with `params.check_all_read()`.
 
 A stage sees only the params dvc.yaml declares for it (what `dvc.api.params_show(stages=[name])` gives, read here
 from dvc.yaml and params.yaml as files: `stage_definition`), and `StageParams.check_all_read()` fails if a declared
