@@ -99,8 +99,11 @@ def _interpolate(value, context: dict, where: str):
 
     if (whole := _REFERENCE.fullmatch(value)) is not None:
         return resolve(whole.group(1))
-    text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
-    return _REFERENCE.sub(lambda m: text(resolve(m.group(1))), value)
+    return _REFERENCE.sub(lambda m: _as_text(resolve(m.group(1))), value)
+
+
+def _as_text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)      # YAML's true/false, as DVC writes them
 
 
 def _with_vars(context: dict, entries, root: Path, where: str) -> dict:
@@ -115,8 +118,8 @@ def stage_definition(stage: str, root: Path | None = None) -> dict:
     """The body of `stage` as `dvc repro` expands dvc.yaml, read as files: params.yaml and dvc.yaml's `vars` are the
     values of `${...}`; `foreach` over a list names each stage `<group>@<item>` (its index when the items are not
     scalars) and over a mapping `<group>@<key>` with `${key}` and `${item...}`; a stage's own `vars` come last.
-    dvc.lock is never read, and nothing of DVC's is imported (a stage starts in milliseconds). tests/
-    test_params_declared.py compares every stage with DVC's own expansion."""
+    dvc.lock is never read and nothing of DVC's is imported: DVC's own loading took about a second a stage (more once
+    dvc.lock lists every stage). tests/test_params_declared.py compares every stage with DVC's own expansion."""
     root = root or ROOT
     dvc_yaml = read_yaml(root / "dvc.yaml") or {}
     params_file = root / "params.yaml"
@@ -134,11 +137,13 @@ def stage_definition(stage: str, root: Path | None = None) -> dict:
         context = _with_vars(context, body.get("vars"), root, stage)
         return _interpolate({k: v for k, v in body.items() if k != "vars"}, context, stage)
     items = _interpolate(body["foreach"], context, group)
-    pairs = items.items() if isinstance(items, dict) else (
-        ((str(v).lower() if isinstance(v, bool) else str(v)), v) if isinstance(v, (str, int, float, bool))
-        else (str(i), v) for i, v in enumerate(items or []))
-    for name, item in pairs:
-        if str(name) == key:
+    if isinstance(items, dict):
+        entries = [(str(name), item) for name, item in items.items()]
+    else:
+        scalars = all(isinstance(item, (str, int, float, bool)) for item in items or [])
+        entries = [(_as_text(item) if scalars else str(i), item) for i, item in enumerate(items or [])]
+    for name, item in entries:
+        if name == key:
             body_vars = body["do"].get("vars")
             context = _with_vars({**context, "item": item, "key": name}, body_vars, root, stage)
             return _interpolate({k: v for k, v in body["do"].items() if k != "vars"}, context, stage)
