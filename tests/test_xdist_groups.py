@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 MODULE = '''
@@ -41,5 +43,7 @@ def test_each_module_and_the_faults_folder_run_on_one_worker(tmp_path):
         group = "faults" if module.startswith("test_faults_") else module
         workers.setdefault(group, set()).add(worker)
     assert sorted(workers) == ["faults", "test_one", "test_three", "test_two"]
-    assert all(len(w) == 1 for w in workers.values()), workers
+    assert all(len(w) == 1 for w in workers.values()), \
+        f"groups split over workers {workers}: pytest {pytest.__version__} (pyproject.toml wants < 9.2: reinstall " \
+        "the dev dependencies, `make setup`)"
     assert len(set.union(*workers.values())) == 2          # the groups were spread over both workers
