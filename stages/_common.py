@@ -207,19 +207,24 @@ def setup_logging(stage: str) -> logging.Logger:
 def stage_inputs(stage: str) -> dict[str, str]:
     """The stage's dvc.yaml deps (code and data) -> a digest of their content (a file's BLAKE2b; a folder's over its
     files' names and digests, `__pycache__` left out; "missing"), for the checkpoint fingerprint. The project's digest
-    cache (clipfinetune.digests, keyed by path, size and mtime) keeps a big input from being re-read, and a checkout
-    that rewrites an unchanged file changes nothing. params.yaml is covered by the declared params themselves."""
+    cache (clipfinetune.digests, keyed by path, size and mtime) keeps a big input from being read twice, and a checkout
+    that rewrites an unchanged file changes nothing; the ranks of a node take turns (a lock file beside the cache), so
+    the first hashes what is new and the others find it cached. params.yaml is covered by the declared params."""
+    import fcntl
     import hashlib
 
     from clipfinetune.digests import DIGEST_CACHE, DigestCache
 
+    deps = [rel for dep in stage_definition(stage).get("deps") or []
+            for rel in (dep if isinstance(dep, dict) else [dep]) if rel != "params.yaml"]
+    cache_dir = ROOT / DIGEST_CACHE
+    cache_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    cache = DigestCache(ROOT / DIGEST_CACHE)
-    try:
-        for dep in stage_definition(stage).get("deps") or []:
-            for rel in (dep if isinstance(dep, dict) else [dep]):
-                if rel == "params.yaml":
-                    continue
+    with open(cache_dir / "digests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = DigestCache(cache_dir)
+        try:
+            for rel in deps:
                 path = ROOT / rel
                 if path.is_file():
                     out[rel] = cache.digest(str(path), path.stat())
@@ -230,8 +235,8 @@ def stage_inputs(stage: str) -> dict[str, str]:
                     out[rel] = h.hexdigest()
                 else:
                     out[rel] = "missing"
-    finally:
-        cache.close()
+        finally:
+            cache.close()
     return out
 
 
