@@ -214,9 +214,9 @@ def test_the_label_warmup_reads_the_device_only_at_log_steps_and_at_commented_li
     assert_synced_only_where_marked("label_warmup", watch_fit(method, model, micro, lr=1e-3))
 
 
-def test_every_method_of_the_registry_and_every_pretraining_objective_is_watched():
-    """A method added to the registry is watched without an edit here; the pretraining objectives are the
-    `Method` subclasses of clipfinetune/sample/pretrain/ (each has a test above)."""
+def test_every_pretraining_objective_is_watched():
+    """The pretraining objectives are the `Method` subclasses of clipfinetune/sample/pretrain/: a new one fails here
+    until it has a test above (a method added to the registry is in RUNS already)."""
     import importlib
     import inspect
     import pkgutil
@@ -224,7 +224,6 @@ def test_every_method_of_the_registry_and_every_pretraining_objective_is_watched
     from clipfinetune.methods.base import Method
     from clipfinetune.sample import pretrain
 
-    assert set(RUNS) == {*METHODS, MIX}
     modules = [importlib.import_module(f"{pretrain.__name__}.{m.name}") for m in pkgutil.iter_modules(pretrain.__path__)]
     objectives = {c for m in modules for _, c in inspect.getmembers(m, inspect.isclass)
                   if issubclass(c, Method) and c.__module__ == m.__name__}
