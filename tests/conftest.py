@@ -13,7 +13,7 @@ FAULTS = TESTS / "faults"
 HEAVY_MARKERS = ("dag", "faults")
 HEAVY_DIRS = ("scale", "real", "real_vllm")
 # pyproject.toml's `timeout` holds for every other test; these build a pipeline's outputs in their first test's setup
-HEAVY_TIMEOUT = 1800
+HEAVY_TIMEOUT = 3600
 
 
 def group_of(nodeid: str, rootpath: Path) -> str:
