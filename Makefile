@@ -22,8 +22,9 @@ seeds: setup
 
 # Two pytest-xdist workers (2 cores). loadgroup keeps each group on one worker so expensive fixtures are built
 # once: tests/faults/ is one group (its session fixture), every other module its own group; the DAG and fault
-# groups start first and the unit modules fill the other worker meanwhile (tests/conftest.py).
-XDIST := -n 2 --dist loadgroup
+# groups start first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order instead of sorting
+# the groups by size) and the unit modules fill the other worker meanwhile.
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: setup
 	source $(BIN)/activate && python -m pytest tests $(XDIST)

@@ -1,12 +1,14 @@
 """What every stage shares: its declared params, logging, and the run-by-hand switch.
 
-Every stage starts the same way: `import _common` (puts the repo on sys.path), then
-`args, params, log = start(__doc__, "<stage>")` (the parsed command line, the declared params, a logger), and
-ends with `params.check_all_read()`.
+A stage script puts this checkout's root first on sys.path (it runs as `python stages/<name>.py`, from dvc.yaml or
+by hand) and imports `from stages._common import start`; tests import the same modules as `stages.<name>`.
+Every stage starts `args, params, log = start(__doc__, "<stage>")` (the parsed command line, the declared params, a
+logger), and ends with `params.check_all_read()`.
 
-A stage sees only the params dvc.yaml declares for it (`dvc.api.params_show(stages=[name])`), and
-`StageParams.check_all_read()` fails if a declared key was never read, so dvc.yaml and the code cannot
-drift apart (a stale declaration would re-run a stage for nothing).
+A stage sees only the params dvc.yaml declares for it (what `dvc.api.params_show(stages=[name])` gives, read here
+from dvc.yaml and params.yaml as files: `stage_definition`), and `StageParams.check_all_read()` fails if a declared
+key was never read, so dvc.yaml and the code cannot drift apart (a stale declaration would re-run a stage for
+nothing).
 
 The `compute` group (GPUs, ranks) is the exception: the hardware, not an experiment parameter, so no stage declares
 it and this module reads it from params.yaml (`compute_settings`); `launch` starts a model stage's ranks by the rules
@@ -18,18 +20,18 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from clipfinetune.keys import lookup
 
 # Before torch loads: idle OpenMP threads sleep instead of spinning. With loader workers or a second stage
 # sharing 2 cores, spinning threads made a training step ~4x slower (measured, see benchmarks/).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from clipfinetune.keys import lookup
 
 
 class StageParams:
@@ -66,28 +68,129 @@ def _flatten(d: dict, prefix: str = ""):
             yield key
 
 
-@contextlib.contextmanager
-def lockfile_skipped():
-    """What a stage declares comes from dvc.yaml alone; DVC would also parse dvc.lock (ruamel, ~1 s per load once
-    the 34 stages are locked, twice per params_show), which a stage never needs."""
-    from dvc.dvcfile import ProjectFile
+def read_yaml(path: Path):
+    """A YAML file as DVC reads it (ruamel's safe loader, YAML 1.2: `1e-4` is a number, `no` a string)."""
+    from ruamel.yaml import YAML
 
-    original = ProjectFile.__dict__["lockfile_contents"]
-    ProjectFile.lockfile_contents = property(lambda self: {})
-    try:
-        yield
-    finally:
-        ProjectFile.lockfile_contents = original
+    return YAML(typ="safe").load(path.read_text())
+
+
+class StageDefinitionError(SystemExit):
+    """dvc.yaml names no such stage, or a stage reads a `${...}` or a param key that is not defined."""
+
+
+_REFERENCE = re.compile(r"\$\{\s*([^}]*?)\s*\}")
+
+
+def _interpolate(value, context: dict, where: str):
+    """DVC's `${a.b}` in strings, keys, lists and mappings: a string that is one reference keeps the value's type."""
+    if isinstance(value, dict):
+        return {_interpolate(k, context, where): _interpolate(v, context, where) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, context, where) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def resolve(name: str):
+        try:
+            return lookup(context, name)
+        except KeyError:
+            raise StageDefinitionError(f"dvc.yaml: {where}: ${{{name}}} is not defined (params.yaml or vars)") from None
+
+    if (whole := _REFERENCE.fullmatch(value)) is not None:
+        return resolve(whole.group(1))
+    return _REFERENCE.sub(lambda m: _as_text(resolve(m.group(1))), value)
+
+
+def _as_text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)      # YAML's true/false, as DVC writes them
+
+
+def _with_vars(context: dict, entries, root: Path, where: str) -> dict:
+    """`vars:` entries (mappings, or YAML files beside dvc.yaml) over `context`."""
+    for entry in entries or []:
+        values = entry if isinstance(entry, dict) else read_yaml(root / str(entry))
+        context = {**context, **_interpolate(values, context, where)}
+    return context
+
+
+def stage_definition(stage: str, root: Path | None = None) -> dict:
+    """The body of `stage` as `dvc repro` expands dvc.yaml, read as files: params.yaml and dvc.yaml's `vars` are the
+    values of `${...}`; `foreach` over a list names each stage `<group>@<item>` (its index when the items are not
+    scalars) and over a mapping `<group>@<key>` with `${key}` and `${item...}`; a stage's own `vars` come last.
+    dvc.lock is never read and nothing of DVC's is imported: DVC's own loading took about a second a stage (more once
+    dvc.lock lists every stage). tests/test_params_declared.py compares every stage with DVC's own expansion."""
+    root = root or ROOT
+    dvc_yaml = read_yaml(root / "dvc.yaml") or {}
+    params_file = root / "params.yaml"
+    context = _with_vars(read_yaml(params_file) if params_file.is_file() else {}, dvc_yaml.get("vars"), root,
+                         "vars")
+    group, _, key = stage.partition("@")
+    body = (dvc_yaml.get("stages") or {}).get(group)
+    if body is None:
+        raise StageDefinitionError(f"dvc.yaml has no stage {group!r} (asked for {stage!r})")
+    if "matrix" in body:
+        raise StageDefinitionError(f"dvc.yaml: stage {group}: `matrix` is not supported by stages/_common.py")
+    if "foreach" not in body:
+        if key:
+            raise StageDefinitionError(f"dvc.yaml: stage {group} has no foreach, so no {stage!r}")
+        context = _with_vars(context, body.get("vars"), root, stage)
+        return _interpolate({k: v for k, v in body.items() if k != "vars"}, context, stage)
+    items = _interpolate(body["foreach"], context, group)
+    if isinstance(items, dict):
+        entries = [(str(name), item) for name, item in items.items()]
+    else:
+        scalars = all(isinstance(item, (str, int, float, bool)) for item in items or [])
+        entries = [(_as_text(item) if scalars else str(i), item) for i, item in enumerate(items or [])]
+    for name, item in entries:
+        if name == key:
+            body_vars = body["do"].get("vars")
+            context = _with_vars({**context, "item": item, "key": name}, body_vars, root, stage)
+            return _interpolate({k: v for k, v in body["do"].items() if k != "vars"}, context, stage)
+    raise StageDefinitionError(f"dvc.yaml: stage {group}'s foreach has no entry {key!r} (asked for {stage!r})")
+
+
+def declared_keys(definition: dict, root: Path | None = None) -> list[tuple[str, str]]:
+    """(params file, key) of each param a stage definition declares: `- a.b` is params.yaml's `a.b`,
+    `- other.yaml: [keys]` another file's, `- other.yaml:` (no keys) every top-level key of that file."""
+    out = []
+    for entry in definition.get("params") or []:
+        for file, keys in (entry.items() if isinstance(entry, dict) else [("params.yaml", [entry])]):
+            if keys is None:
+                keys = list(read_yaml((root or ROOT) / file) or {})
+            out.extend((file, str(k)) for k in keys)
+    return out
+
+
+def declared_params(definition: dict, root: Path | None = None) -> dict:
+    """The values of the params a stage definition declares, nested as `dvc.api.params_show(stages=[...])` gives
+    them (a missing key fails naming it and its file)."""
+    out: dict = {}
+    files: dict[str, dict] = {}
+    for file, key in declared_keys(definition, root):
+        if file not in files:
+            files[file] = read_yaml((root or ROOT) / file) or {}
+        try:
+            value = lookup(files[file], key)
+        except KeyError:
+            raise StageDefinitionError(f"dvc.yaml declares param {key!r}, which {file} lacks") from None
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
 
 
 def stage_params(stage: str | None = None) -> StageParams:
-    import dvc.api
-
     stage = stage or os.environ.get("DVC_STAGE")
     if not stage:
         raise SystemExit("run through `dvc repro`, or pass --stage NAME (e.g. --stage train@clip)")
-    with lockfile_skipped():
-        return StageParams(stage, dvc.api.params_show(stages=[stage], repo=str(ROOT)))
+    definition = stage_definition(stage)
+    try:
+        return StageParams(stage, declared_params(definition))
+    except StageDefinitionError as e:
+        raise StageDefinitionError(f"stage {stage}: {e}") from None
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:
@@ -102,17 +205,38 @@ def setup_logging(stage: str) -> logging.Logger:
 
 
 def stage_inputs(stage: str) -> dict[str, str]:
-    """The stage's dvc.yaml deps (code and data) -> their content hash as DVC computes it (md5; a folder's .dir
-    md5; "missing"), for the checkpoint fingerprint. DVC's state cache keeps a big input from being re-read.
-    params.yaml is covered by the declared params themselves."""
-    from dvc.repo import Repo
+    """The stage's dvc.yaml deps (code and data) -> a digest of their content (a file's BLAKE2b; a folder's over its
+    files' names and digests, `__pycache__` left out; "missing"), for the checkpoint fingerprint. The project's digest
+    cache (clipfinetune.digests, keyed by path, size and mtime) keeps a big input from being read twice, and a checkout
+    that rewrites an unchanged file changes nothing; the ranks of a node take turns (a lock file beside the cache), so
+    the first hashes what is new and the others find it cached. params.yaml is covered by the declared params."""
+    import fcntl
+    import hashlib
 
+    from clipfinetune.digests import DIGEST_CACHE, DigestCache
+
+    deps = [rel for dep in stage_definition(stage).get("deps") or []
+            for rel in (dep if isinstance(dep, dict) else [dep]) if rel != "params.yaml"]
+    cache_dir = ROOT / DIGEST_CACHE
+    cache_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    with lockfile_skipped(), Repo(str(ROOT)) as repo:
-        (info,) = repo.stage.collect_granular(stage)
-        for dep in info.stage.deps:
-            if dep.def_path != "params.yaml":
-                out[dep.def_path] = dep.get_hash().value if dep.exists else "missing"
+    with open(cache_dir / "digests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = DigestCache(cache_dir)
+        try:
+            for rel in deps:
+                path = ROOT / rel
+                if path.is_file():
+                    out[rel] = cache.digest(str(path), path.stat())
+                elif path.is_dir():
+                    h = hashlib.blake2b()
+                    for f in sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+                        h.update(f"{f.relative_to(path).as_posix()}\0{cache.digest(str(f), f.stat())}\n".encode())
+                    out[rel] = h.hexdigest()
+                else:
+                    out[rel] = "missing"
+        finally:
+            cache.close()
     return out
 
 

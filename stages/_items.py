@@ -8,10 +8,9 @@ outputs, so a killed run resumes from them; rank 0 merges them and writes the ou
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
-import _common
+from stages import _common
 
 from clipfinetune import parts
 
@@ -34,8 +33,7 @@ def part_store(params, settings: dict, device, codec: str = "json") -> parts.Par
     device_type = device.type if hasattr(device, "type") else str(device).split(":")[0]
     # on the CPU a kernel's float bits can follow the intra-op thread count: a resume at another count recomputes
     threads = torch.get_num_threads() if device_type == "cpu" else None
-    with contextlib.chdir(_common.ROOT):         # DVC resolves the stage name against the working directory
-        inputs = _common.stage_inputs(params.stage)
+    inputs = _common.stage_inputs(params.stage)
     key = parts.fingerprint(params.stage, {**settings, "device": device_type, "torch_threads": threads}, inputs,
                             _common.ROOT)
     return parts.PartStore(Path(CACHE_ROOT), params.stage, key, codec)     # beside the outputs (relative, like OUT)

@@ -9,10 +9,12 @@ Run by hand: python stages/benchmarks.py --stage benchmarks
 """
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import start
 
 from clipfinetune.data.benchmarks.sets import benchmark_manifest
 from clipfinetune.digests import DIGEST_CACHE

@@ -13,13 +13,15 @@ one-process run's and a killed run resumes from its parts.
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo root on sys.path)
-import _items
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages import _items
+from stages._common import ITEMS, start
+
 import torch
-from _common import ITEMS, start
 
 from clipfinetune.eval import sharded
 from clipfinetune.eval.items import METRICS_KEY, to_frame

@@ -16,12 +16,14 @@ its parts.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-import _items
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages import _items
+from stages._common import ITEMS, source_specs, start_preparing
+
 import pandas as pd
-from _common import ITEMS, source_specs, start_preparing
 
 from clipfinetune.data.benchmarks.global_local import place_files, write_test_list
 from clipfinetune.data.prepare.lism import (

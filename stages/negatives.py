@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import StageParams, hold_gpus, source_specs, start_preparing, visible_gpus
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import StageParams, hold_gpus, source_specs, start_preparing, visible_gpus
 
 OUT = Path("data/prepared/negatives.parquet")
 META = Path("data/prepared/negatives.meta.json")

@@ -11,8 +11,11 @@ Run by hand: python stages/plan.py --stage plan@repro (or `clipfinetune plan`, w
 """
 from __future__ import annotations
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, start
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import ROOT, start
 
 OUT = ROOT / "data" / "plan" / "passed.json"
 

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, TrainingBatch, compute_device, source_specs, stage_inputs, start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import ROOT, TrainingBatch, compute_device, source_specs, stage_inputs, start
 
 GROUP_KEY = "colour"        # record.extra key (COCO images[]) of the pretraining split: the group of one_colour_share
 LABEL_KEY = "labels"        # record.extra key: the shapes and colours the label warm-up predicts

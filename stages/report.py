@@ -5,10 +5,11 @@ mid-development: python stages/report.py --stage report
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import _common  # noqa: F401
-from _common import start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import start
 
 from clipfinetune.io import InputError, atomic_path, write_json
 from clipfinetune.report.plots import write_plots

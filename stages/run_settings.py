@@ -12,8 +12,11 @@ Run by hand: python stages/run_settings.py --stage run_settings
 """
 from __future__ import annotations
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import start
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import start
 
 from clipfinetune.io import write_json
 from clipfinetune.runs import resolve_runs

@@ -4,10 +4,12 @@ dvc.yaml runs it once per entry of params `sample.build` ([world]; [] in the rea
 data/sample), so it is in the DAG only where the sample world is used."""
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import ROOT, start
 
 from clipfinetune.io import atomic_path
 from clipfinetune.sample.world import WorldConfig, generate_world

@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo root on sys.path)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
 from clipfinetune.io import atomic_path, write_json
 from clipfinetune.report.seeds import aggregate, render_markdown, summaries_from_exp_show
 

@@ -8,13 +8,15 @@ single run writes, and a killed run resumes from its parts (stages/_items.py, cl
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-import _items
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages import _items
+from stages._common import ITEMS, source_specs, start_preparing
+
 import numpy as np
 import pandas as pd
-from _common import ITEMS, source_specs, start_preparing
 
 from clipfinetune.data.prepare.segments import build_sam, felzenszwalb_masks, sam_masks_fn, segment_image
 from clipfinetune.data.readers import read_source

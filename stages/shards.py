@@ -9,11 +9,12 @@ a configured evaluation set (`clipfinetune.leakage`; content digests cached in d
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import source_specs, start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import source_specs, start
 
 from clipfinetune import leakage
 from clipfinetune.data.prepare.shards import build_shards

@@ -23,8 +23,11 @@ an output DVC's run cache can restore (a persisted output would keep the stage o
 """
 from __future__ import annotations
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import ROOT, TrainingBatch, compute_device, params_yaml, stage_inputs, start
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import ROOT, TrainingBatch, compute_device, params_yaml, stage_inputs, start
 
 
 def run_settings(run: str, method: str) -> dict:

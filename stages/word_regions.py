@@ -2,10 +2,11 @@
 + meta."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import source_specs, start_preparing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python stages/<name>.py`: this checkout first
+from stages._common import source_specs, start_preparing
 
 from clipfinetune.data.prepare.word_regions import build_word_regions
 from clipfinetune.data.readers.coco import load_json

@@ -7,9 +7,13 @@ import pytest
 # Before torch loads: idle OpenMP threads sleep instead of spinning (2 shared cores; see stages/_common.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-FAULTS = Path(__file__).resolve().parent / "faults"
+TESTS = Path(__file__).resolve().parent
+FAULTS = TESTS / "faults"
 # Tests whose module/session fixture runs pipeline stages as subprocesses (minutes each): scheduled first.
 HEAVY_MARKERS = ("dag", "faults")
+HEAVY_DIRS = ("scale", "real", "real_vllm")
+# pyproject.toml's `timeout` holds for every other test; these build a pipeline's outputs in their first test's setup
+HEAVY_TIMEOUT = 3600
 
 
 def group_of(nodeid: str, rootpath: Path) -> str:
@@ -31,40 +35,29 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)       # before xdist's own hook turns the marks into `nodeid@group`
 def pytest_collection_modifyitems(config, items):
+    """Each test gets its xdist group (`group_of`) and a timeout fit for it; under xdist the heavy groups come first
+    (a stable sort: `make test` passes --no-loadscope-reorder, so xdist queues the groups in this order), so both
+    workers start on them at once and the unit tests fill the gaps, instead of a several-minute group starting late
+    on one worker."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid, config.rootpath)))
+        if item.get_closest_marker("timeout") is None and is_heavy(item):
+            item.add_marker(pytest.mark.timeout(HEAVY_TIMEOUT))
     if hasattr(config, "workerinput"):
-        # Under xdist: the heavy groups first (stable sort), so both workers start on them at once and the unit
-        # tests fill the gaps, instead of a several-minute group starting late on one worker.
         items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in HEAVY_MARKERS))
 
 
+def is_heavy(item) -> bool:
+    """A test whose module or session fixture runs pipeline stages (markers `dag`, `faults`), or one of the suites
+    run by name (tests/scale, tests/real, tests/real_vllm: minutes each)."""
+    path = Path(str(item.path))
+    return any(item.get_closest_marker(m) for m in HEAVY_MARKERS) or \
+        (path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in HEAVY_DIRS)
+
+
 @pytest.hookimpl(optionalhook=True)   # only called when pytest-xdist is installed
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class GroupScheduling(LoadGroupScheduling):
-        """xdist's loadgroup, with two changes:
-        - the groups are queued in collection order (heavy first, see above), not re-sorted by their number
-          of tests (`--loadscope-reorder`), which would queue the few-test heavy groups behind the unit modules;
-        - a test id without the `@group` suffix gets its group from `group_of`: with pytest >= 9.2 (structured
-          node ids) xdist <= 3.8's suffix no longer takes effect and loadgroup silently stops grouping
-          (pytest-xdist#1386), which would build the DAG and fault fixtures on both workers."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):
-                return super()._split_scope(nodeid)
-            return group_of(nodeid, self.config.rootpath)
-
-        def schedule(self) -> None:
-            reorder = self.config.option.loadscopereorder
-            self.config.option.loadscopereorder = False
-            try:
-                super().schedule()
-            finally:
-                self.config.option.loadscopereorder = reorder
-
-    return GroupScheduling(config, log)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core this process may use, at most 2 (the groups' fixtures are built once per
+    worker; a third worker on more cores would mostly wait for the two heavy groups)."""
+    return max(1, min(2, len(os.sched_getaffinity(0))))

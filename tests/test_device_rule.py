@@ -2,7 +2,6 @@
 stages/_common.py start() reads (issue 32). CUDA is mocked: torch reports it present, set_device records."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,8 +47,7 @@ def test_without_cuda_auto_is_cpu_and_cuda_is_a_clear_error(monkeypatch):
 
 def test_ranks_of_an_item_stage(cuda_present, monkeypatch):
     """`compute.nproc` through stages/_common.py's launcher rule: auto = every visible GPU, 1 on the CPU."""
-    sys.path.insert(0, str(ROOT / "stages"))
-    from _common import ITEMS, stage_ranks, visible_gpus
+    from stages._common import ITEMS, stage_ranks, visible_gpus
 
     from clipfinetune.compute import ComputeError, settings
 

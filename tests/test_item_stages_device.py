@@ -3,9 +3,12 @@
 loaders are replaced by recorders that return a CPU model, so the stages run through on this machine."""
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
+
+from stages import _common
 
 import numpy as np
 import pandas as pd
@@ -24,7 +27,6 @@ def cuda_rank_1(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.syspath_prepend(str(ROOT / "stages"))
     monkeypatch.chdir(tmp_path)
     rng = np.random.default_rng(0)
     lines = []
@@ -39,12 +41,10 @@ def cuda_rank_1(monkeypatch, tmp_path):
 
 
 def _run(monkeypatch, stage_module: str, stage: str, values: dict, argv=()):
-    module = __import__(stage_module)
-    from _common import StageParams
-
-    params = StageParams(stage, values)
-    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
-    monkeypatch.setattr(sys.modules["_common"], "stage_inputs", lambda name: [])    # no DVC lookup: speed only
+    module = importlib.import_module(f"stages.{stage_module}")
+    params = _common.StageParams(stage, values)
+    monkeypatch.setattr(_common, "stage_params", lambda name=None: params)
+    monkeypatch.setattr(_common, "stage_inputs", lambda name: {})    # the test's inputs are not dvc.yaml's
     monkeypatch.setattr(sys, "argv", [f"stages/{stage_module}.py", *argv, "--stage", stage])
     module.main()
     return module
@@ -58,7 +58,7 @@ def _tiny_model():
 
 
 def test_segments_puts_sam_on_cuda_local_rank_and_records_it(monkeypatch, cuda_rank_1):
-    import segments as stage
+    from stages import segments as stage
 
     from clipfinetune.data.prepare.segments import felzenszwalb_masks
 
@@ -74,7 +74,7 @@ def test_segments_puts_sam_on_cuda_local_rank_and_records_it(monkeypatch, cuda_r
 
 
 def test_lism_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda_rank_1):
-    import lism as stage
+    from stages import lism as stage
 
     asked, model = [], _tiny_model()
     monkeypatch.setattr(stage, "load_model_for_lism", lambda name, pretrained, device: (asked.append(device), model)[1])
@@ -92,7 +92,7 @@ def test_lism_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda
 
 
 def test_eval_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda_rank_1):
-    import eval as stage
+    from stages import eval as stage
 
     asked, model = [], _tiny_model()
     monkeypatch.setattr(stage, "load_exported", lambda name, device: (asked.append((name, device)), model)[1])

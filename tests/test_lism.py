@@ -169,18 +169,17 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     are neither training images nor in the test list (counted)."""
     import json
     import sys
-    from pathlib import Path
+
+    from stages import _common
+    from stages import lism as stage
 
     import pandas as pd
     from PIL import Image
 
     from clipfinetune.models import export_model, load_model
 
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.syspath_prepend(str(root / "stages"))
     monkeypatch.chdir(tmp_path)
-    import lism as stage
-    from _common import StageParams
+    StageParams = _common.StageParams
 
     export_model(load_model("cft-tiny-vit"), tmp_path / "matcher")
     lines = []
@@ -194,12 +193,12 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
                   for k, t in enumerate(("A red box.", "A blue square."))]).to_parquet(tmp_path / "sentences.parquet")
     pd.DataFrame([{"image_id": ex, "segment_id": 0, "x0": 10.0, "y0": 5.0, "x1": 30.0, "y1": 21.0, "area_frac": 0.06}
                   for ex in ids]).to_parquet(tmp_path / "segments.parquet")
-    params = StageParams("lism", {
+    params = StageParams("lism@docci", {
         "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
         "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
                  "segments": "segments.parquet", "ground_truth": "", "batch_size": 8,
                  "workers": 1}})
-    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
+    monkeypatch.setattr(_common, "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism@docci"])
     stage.main()
     metrics = json.loads((tmp_path / "metrics" / "lism.json").read_text())["lism"]

@@ -10,6 +10,8 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from stages._common import StageParams, setup_logging
+
 import pandas as pd
 import pytest
 
@@ -18,8 +20,6 @@ from clipfinetune.data.negatives.degla.rules_backend import RulesBackend
 from clipfinetune.data.negatives.degla.validators import RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "stages"))        # as `python stages/negatives.py` has it
-from _common import StageParams, setup_logging
 
 GOOD = ["a large red circle to the left of a small blue square", "a small green star above a big purple hexagon",
         "two green triangles"]

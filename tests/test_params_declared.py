@@ -23,11 +23,12 @@ Dict-valued declarations allowed (each is ONE setting that one stage family read
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import shutil
-import sys
 from pathlib import Path
+
+from stages import _common
+from stages import run_settings as run_settings_stage
 
 import pytest
 import yaml
@@ -48,8 +49,8 @@ def _lookup(key: str):
 
 
 @pytest.fixture(scope="module")
-def declared(tmp_path_factory) -> dict[str, list[str]]:
-    """stage name -> declared params.yaml keys, as DVC expands dvc.yaml."""
+def expanded(tmp_path_factory) -> dict[str, dict]:
+    """stage name -> its declared params.yaml keys, deps and outs, as DVC itself expands dvc.yaml."""
     from dvc.repo import Repo
 
     tmp = tmp_path_factory.mktemp("declared")
@@ -61,8 +62,56 @@ def declared(tmp_path_factory) -> dict[str, list[str]]:
         for stage in repo.index.stages:
             keys = [k for dep in stage.params for k in dep.params]
             assert all(Path(dep.def_path).name == "params.yaml" for dep in stage.params), stage.name
-            out[stage.name] = sorted(set(keys))
+            out[stage.name] = {"params": sorted(set(keys)), "cmd": stage.cmd,
+                               "deps": [d.def_path for d in stage.deps if d.def_path != "params.yaml"],
+                               "outs": sorted(o.def_path for o in stage.outs)}
     return out
+
+
+@pytest.fixture(scope="module")
+def declared(expanded) -> dict[str, list[str]]:
+    """stage name -> declared params.yaml keys, as DVC expands dvc.yaml."""
+    return {name: stage["params"] for name, stage in expanded.items()}
+
+
+def _paths(entries) -> list[str]:
+    return [e if isinstance(e, str) else next(iter(e)) for e in entries or []]
+
+
+def test_a_stage_reads_its_definition_as_dvc_expands_it(expanded):
+    """stages/_common.py reads dvc.yaml and params.yaml as files (no DVC internals, no dvc.lock): every stage's cmd,
+    deps, outs and declared keys equal DVC's own expansion (foreach over a list and a mapping, `${item...}`,
+    `${key}`, a stage's `vars` through a YAML merge key, params.yaml values in paths)."""
+    for name, dvc_stage in expanded.items():
+        mine = _common.stage_definition(name, ROOT)
+        assert mine["cmd"] == dvc_stage["cmd"], name
+        assert _paths(mine.get("deps")) == dvc_stage["deps"], name
+        assert sorted(_paths(mine.get("outs")) + _paths(mine.get("metrics")) + _paths(mine.get("plots"))) == \
+            dvc_stage["outs"], name
+        assert sorted(key for _, key in _common.declared_keys(mine, ROOT)) == dvc_stage["params"], name
+
+
+@pytest.mark.parametrize("stage", ["train@clip", "eval_base", "shards", "word_regions@coco"])
+def test_a_stage_sees_the_values_dvc_api_params_show_gives(stage):
+    import dvc.api
+
+    assert _common.stage_params(stage)._values == dvc.api.params_show(stages=[stage], repo=str(ROOT))
+
+
+def test_an_unknown_stage_or_entry_or_missing_key_fails_naming_it(tmp_path):
+    (tmp_path / "params.yaml").write_text("runs: {a: {method: clip}}\nlr: 1.0\n")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  train:\n    foreach: ${runs}\n    do:\n      cmd: python t.py --method ${item.method}\n"
+        "      params: [lr, absent.key]\n  bad:\n    cmd: python b.py ${nowhere}\n")
+    assert _common.stage_definition("train@a", tmp_path)["cmd"] == "python t.py --method clip"
+    with pytest.raises(SystemExit, match="no stage 'eval'"):
+        _common.stage_definition("eval@a", tmp_path)
+    with pytest.raises(SystemExit, match="no entry 'b'"):
+        _common.stage_definition("train@b", tmp_path)
+    with pytest.raises(SystemExit, match=r"\$\{nowhere\} is not defined"):
+        _common.stage_definition("bad", tmp_path)
+    with pytest.raises(SystemExit, match="'absent.key', which params.yaml lacks"):
+        _common.declared_params(_common.stage_definition("train@a", tmp_path), tmp_path)
 
 
 def _train_runs():
@@ -115,14 +164,6 @@ def test_a_runs_settings_are_its_methods_constructor_arguments():
         assert set(item) - {"method"} <= names, (run, set(item) - {"method"} - names)
 
 
-def _stage(script: str):
-    sys.path.insert(0, str(ROOT / "stages"))
-    spec = importlib.util.spec_from_file_location(f"stage_{script}_declared", ROOT / "stages" / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, sys.modules["_common"].StageParams
-
-
 def _nest(keys: list[str]) -> dict:
     out: dict = {}
     for key in keys:
@@ -136,9 +177,8 @@ def _nest(keys: list[str]) -> dict:
 
 def test_run_settings_reads_every_key_it_declares_and_each_run_builds_its_method(declared):
     """The resolver stage's own param-reading path with a recording StageParams (what check_all_read enforces)."""
-    stage, StageParams = _stage("run_settings")
-    params = StageParams("run_settings", _nest(declared["run_settings"]))
-    runs = stage.resolved(params)
+    params = _common.StageParams("run_settings", _nest(declared["run_settings"]))
+    runs = run_settings_stage.resolved(params)
     params.check_all_read()
     assert set(runs) == set(_train_runs())
     for run in runs.values():
@@ -146,10 +186,8 @@ def test_run_settings_reads_every_key_it_declares_and_each_run_builds_its_method
 
 
 def test_each_train_run_reads_every_key_it_declares(declared):
-    _stage("train")
-    StageParams = sys.modules["_common"].StageParams
     for run in _train_runs():
-        params = StageParams(f"train@{run}", _nest(declared[f"train@{run}"]))
+        params = _common.StageParams(f"train@{run}", _nest(declared[f"train@{run}"]))
         params["train.keep_checkpoint"]             # compute.* is the hardware: read by no declared param
         params.check_all_read()
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "stages"))
-import _common
-from _common import ITEMS, StageParams, TrainingBatch, launch
+from stages import _common
+from stages._common import ITEMS, StageParams, TrainingBatch, launch
 
 from clipfinetune import compute
 

@@ -19,6 +19,9 @@ from torch.utils.data import default_collate
 
 from clipfinetune.data.loader import ExampleContext
 from clipfinetune.methods import get_method
+from clipfinetune.registry import METHODS, MIX
+from clipfinetune.sample.pretrain.label_warmup import LabelWarmup, label_warmup
+from clipfinetune.sample.pretrain.method import PretrainMethod
 from clipfinetune.train import TrainConfig, Trainer
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clipfinetune"
@@ -98,16 +101,12 @@ def coco(i: int) -> dict:
     return record
 
 
-RUNS = {   # method, its arguments, the records (with rows some terms leave out: no pair, few negatives, ...)
-    "clip": ("clip", {}, coco),
-    "harmoclip": ("harmoclip", {}, coco),
-    "fsc_clip": ("fsc_clip", {}, coco),
-    "degla": ("degla", {}, coco),
-    "goal": ("goal", {}, lambda i: docci_record(i, paired=i % 2 == 0)),
-    "mulclip": ("mulclip", {"max_sentences": 4}, lambda i: docci_record(i, paired=True)),
-    "custom": ("custom", {"terms": {"fsc_clip.local_hn": 0.5, "degla.distill": 0.005,
-                                    "harmoclip.global_region": 1.0}}, coco),
-}
+# Every method of the registry (and the mix) trains on crafted COCO rows, with rows some terms leave out (no pair,
+# few negatives, ...), unless it reads DOCCI's long captions; the arguments that make every term of a method run
+RECORDS = {"goal": lambda i: docci_record(i, paired=i % 2 == 0), "mulclip": lambda i: docci_record(i, paired=True)}
+ARGUMENTS = {"mulclip": {"max_sentences": 4},
+             MIX: {"terms": {"fsc_clip.local_hn": 0.5, "degla.distill": 0.005, "harmoclip.global_region": 1.0}}}
+RUNS = {m: (m, ARGUMENTS.get(m, {}), RECORDS.get(m, coco)) for m in (*METHODS, MIX)}
 
 
 def negatives(caption):
@@ -136,7 +135,6 @@ def fit_and_watch(tiny, run: str, log_every: int = LOG_EVERY) -> list[tuple[str,
     name, kwargs, record = RUNS[run]
     model = copy.deepcopy(tiny)
     method = FixedNegatives(negatives).on(get_method(name)(**kwargs))
-    cfg = TrainConfig(epochs=STEPS // 2, batch_size=4, lr=1e-4, grad_clip=1.0, log_every=log_every)
     ctx = ExampleContext.of_model(model)
     rng = random.Random(0)
     micro = []
@@ -144,6 +142,12 @@ def fit_and_watch(tiny, run: str, log_every: int = LOG_EVERY) -> list[tuple[str,
         records = [record(4 * b + i) for i in range(4)]
         micro.append(default_collate([method.make_example(r, random_image(4 * b + i, W, H), rng, ctx)
                                       for i, r in enumerate(records)]))
+    return watch_fit(method, model, micro, log_every)
+
+
+def watch_fit(method, model, micro: list[dict], log_every: int = LOG_EVERY, lr: float = 1e-4):
+    """The host reads of `Trainer.fit` over `micro` (two steps an epoch, STEPS steps)."""
+    cfg = TrainConfig(epochs=STEPS // len(micro), batch_size=4, lr=lr, grad_clip=1.0, log_every=log_every)
     trainer = Trainer(method, model, Batches(micro), cfg)
     with HostReads() as watch:
         trainer.fit()
@@ -151,14 +155,79 @@ def fit_and_watch(tiny, run: str, log_every: int = LOG_EVERY) -> list[tuple[str,
     return watch.reads
 
 
-@pytest.mark.parametrize("run", list(RUNS))
-def test_a_training_run_reads_the_device_only_at_log_steps_and_at_commented_lines(tiny, run):
-    reads = fit_and_watch(tiny, run)
+def assert_synced_only_where_marked(run: str, reads) -> None:
     stray = sorted({f"{f}:{n} {op}" for f, n, op in reads if not commented(f, n)})
     assert stray == [], f"{run}: host reads in the step without a `# sync:` comment:\n" + "\n".join(stray)
     loop = [r for r in reads if r[0].endswith("train/loop.py")]
     assert len(loop) == 2, f"{run}: the loop read the device {len(loop)} times in {STEPS} steps (log_every " \
                            f"{LOG_EVERY}: 2 fetches)"
+
+
+# ------------------------------------------------------------------------------- the pretraining objectives
+def caption_pair_batches(model, regions: bool) -> list[dict]:
+    """Two batches as `sample/pretrain/sources.py` serves them: images, one caption each and, with `regions`, every
+    object of the batch ([batch row, xyxy] in input pixels, its name's tokens, its class), names repeated."""
+    g = torch.Generator().manual_seed(0)
+    height, width = model.vision.image_size
+    names = ["red circle", "blue square", "green star"]
+    out = []
+    for b in range(2):
+        batch = {"image": torch.randn(4, 3, height, width, generator=g),
+                 "text": model.tokenize([f"a {names[(b + i) % 3]} on grey" for i in range(4)])}
+        if regions:
+            rows = [(i, k) for i in range(4) for k in range(1 + (i + b) % 2)]
+            batch["region_boxes"] = torch.tensor([[float(i), 4.0 + 20 * k, 4.0, 30.0 + 20 * k, 40.0] for i, k in rows])
+            batch["region_class"] = torch.tensor([(i + k) % 3 for i, k in rows])
+            batch["region_text"] = model.tokenize([names[c] for c in batch["region_class"].tolist()])
+        out.append(batch)
+    return out
+
+
+def label_batches(model) -> tuple[LabelWarmup, list[dict]]:
+    """Two batches of the label warm-up (`sample/pretrain/label_warmup.py`'s own batches), with regions."""
+    g = torch.Generator().manual_seed(0)
+    (height, width), n = model.vision.image_size, 8
+    images, labels = torch.randn(n, 3, height, width, generator=g), (torch.rand(n, 3, generator=g) > 0.5).float()
+    boxes = torch.tensor([[4.0, 4.0, 30.0, 40.0], [34.0, 4.0, 60.0, 40.0]])
+    regions = [(boxes.clone(), torch.eye(3)[[i % 3, (i + 1) % 3]]) for i in range(n)]
+    method, batches = label_warmup(images, labels, embed_dim=model.embed_dim, steps=2, batch_size=4, lr=1e-3,
+                                   regions=regions)
+    return method, list(batches.batches(0))
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_a_training_run_reads_the_device_only_at_log_steps_and_at_commented_lines(tiny, run):
+    assert_synced_only_where_marked(run, fit_and_watch(tiny, run))
+
+
+@pytest.mark.parametrize("regions", [False, True], ids=["captions", "region_text"])
+def test_pretraining_reads_the_device_only_at_log_steps_and_at_commented_lines(tiny, regions):
+    """Stage `pretrain`'s objective (the same Trainer): caption pairs, and with the region-text term."""
+    model = copy.deepcopy(tiny)
+    method = PretrainMethod(region_text_weight=1.0 if regions else 0.0)
+    assert_synced_only_where_marked("pretrain", watch_fit(method, model, caption_pair_batches(model, regions)))
+
+
+def test_the_label_warmup_reads_the_device_only_at_log_steps_and_at_commented_lines(tiny):
+    model = copy.deepcopy(tiny)
+    method, micro = label_batches(model)
+    assert_synced_only_where_marked("label_warmup", watch_fit(method, model, micro, lr=1e-3))
+
+
+def test_every_pretraining_objective_is_watched():
+    """The pretraining objectives are the `Method` subclasses of clipfinetune/sample/pretrain/: a new one fails here
+    until it has a test above (a method added to the registry is in RUNS already)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from clipfinetune.methods.base import Method
+    from clipfinetune.sample import pretrain
+
+    modules = [importlib.import_module(f"{pretrain.__name__}.{m.name}") for m in pkgutil.iter_modules(pretrain.__path__)]
+    objectives = {c for m in modules for _, c in inspect.getmembers(m, inspect.isclass)
+                  if issubclass(c, Method) and c.__module__ == m.__name__}
+    assert objectives == {PretrainMethod, LabelWarmup}
 
 
 def test_the_loops_fetches_follow_log_every_not_the_step_count(tiny):

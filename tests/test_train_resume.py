@@ -100,31 +100,40 @@ def test_fingerprint_follows_params_and_input_content():
     assert fp != fingerprint("train@clip", {"train": {"lr": 1e-4}}, {**inputs, "data/shards": "77b0.dir"})
 
 
-def test_the_stages_inputs_are_dvcs_content_hashes_not_mtimes(tmp_path, monkeypatch):
-    """stages/_common.py stage_inputs: each dep's md5 as DVC records it in dvc.lock; touching a file (a checkout
-    rewriting it unchanged) keeps it, an edit changes it."""
-    import hashlib
+def test_the_stages_inputs_are_content_digests_not_mtimes(tmp_path, monkeypatch):
+    """stages/_common.py stage_inputs: each dvc.yaml dep of the stage (a `${...}` from params.yaml resolved) by its
+    content: touching a file (a checkout rewriting it unchanged) keeps it, an edit changes it, and so does an edit,
+    an added file or a rename inside a folder dep; an absent dep is "missing"; params.yaml is left to the params."""
     import os
-    import subprocess
-    import sys
 
-    (tmp_path / "stages").mkdir()
+    from stages import _common
+
     (tmp_path / "a.txt").write_text("one")
-    (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: cat a.txt\n    deps: [a.txt, absent.txt]\n")
-    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
-    sys.path.insert(0, str(ROOT / "stages"))
-    import _common
-
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "x.bin").write_bytes(b"x")
+    (tmp_path / "params.yaml").write_text("inputs: {text: a.txt}\n")
+    (tmp_path / "dvc.yaml").write_text("stages:\n  s:\n    cmd: cat a.txt\n    deps:\n"
+                                       + "".join(f"      - {d}\n" for d in ("${inputs.text}", "folder", "absent.txt",
+                                                                          "params.yaml")))
     monkeypatch.setattr(_common, "ROOT", tmp_path)
-    monkeypatch.chdir(tmp_path)                                   # as a stage runs: in the project root
     inputs = lambda: _common.stage_inputs("s")
 
     first = inputs()
-    assert first == {"a.txt": hashlib.md5(b"one").hexdigest(), "absent.txt": "missing"}
+    assert sorted(first) == ["a.txt", "absent.txt", "folder"] and first["absent.txt"] == "missing"
     os.utime(tmp_path / "a.txt", ns=(1, 1))
+    os.utime(tmp_path / "folder" / "x.bin", ns=(1, 1))
     assert inputs() == first
     (tmp_path / "a.txt").write_text("two")
-    assert inputs()["a.txt"] == hashlib.md5(b"two").hexdigest()
+    second = inputs()
+    assert second["a.txt"] != first["a.txt"] and second["folder"] == first["folder"]
+    (tmp_path / "a.txt").write_text("one")
+    assert inputs() == first                                       # the content, not the file's history
+    seen = {first["folder"]}
+    for change in (lambda f: (f / "x.bin").write_bytes(b"y"), lambda f: (f / "y.bin").write_bytes(b"y"),
+                   lambda f: (f / "x.bin").rename(f / "z.bin")):
+        change(tmp_path / "folder")
+        assert inputs()["folder"] not in seen
+        seen.add(inputs()["folder"])
 
 
 class NaNAtStep3(ClipMethod):

@@ -1,34 +1,20 @@
 """Stage wiring of `run_settings` -> `train@<run>` (each run's settings file) and the `pretrain` caption source."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from stages import _common
+from stages import pretrain as pretrain_stage
+from stages import run_settings as run_settings_stage
+from stages import train as stage
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _stage_module():
-    if str(ROOT / "stages") not in sys.path:
-        sys.path.insert(0, str(ROOT / "stages"))     # as `python stages/train.py` has it
-    spec = importlib.util.spec_from_file_location("stage_train", ROOT / "stages" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-stage = _stage_module()
-StageParams = sys.modules["_common"].StageParams
-
-def _stage_run_settings():
-    spec = importlib.util.spec_from_file_location("stage_run_settings", ROOT / "stages" / "run_settings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+StageParams = _common.StageParams
 
 
 PARAMS = {"loss": {"lambda_g": 0.5, "lambda_l": 0.5, "focal_gamma": 2.0, "label_smoothing": 0.02},
@@ -38,11 +24,10 @@ PARAMS = {"loss": {"lambda_g": 0.5, "lambda_l": 0.5, "focal_gamma": 2.0, "label_
 
 
 def _run_settings_stage(tmp_path, monkeypatch, values) -> dict[str, bytes]:
-    stage_module = _stage_run_settings()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: StageParams("run_settings", values))
+    monkeypatch.setattr(_common, "stage_params", lambda name=None: StageParams("run_settings", values))
     monkeypatch.setattr(sys, "argv", ["stages/run_settings.py", "--stage", "run_settings"])
-    stage_module.main()                                      # fails if a declared key is never read
+    run_settings_stage.main()                                      # fails if a declared key is never read
     return {p.name: p.read_bytes() for p in sorted((tmp_path / "data" / "runs").iterdir())}
 
 
@@ -280,9 +265,7 @@ def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_
 
     from clipfinetune.models import export_model, load_model
 
-    spec = importlib.util.spec_from_file_location("stage_pretrain", ROOT / "stages" / "pretrain.py")
-    pretrain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain)
+    pretrain = pretrain_stage
     monkeypatch.setattr(pretrain, "ROOT", tmp_path)                 # never the repository's models/base
     export_model(load_model("cft-tiny-vit"), tmp_path / "weights")
     stale = tmp_path / "dvclive" / "pretrain" / "plots" / "metrics" / "loss.tsv"
@@ -293,7 +276,7 @@ def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_
         "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "quick_gelu": "auto", "precision": "bf16"},
         "pretrain": {"epochs": 1, "batch_size": 2, "lr": 1e-3, "warmup": 1, "wd": 0.1, "grad_clip": 1.0,
                      "checkpoint_every": 0, "seed": 0, "sources": ["coco"]}})
-    monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
+    monkeypatch.setattr(_common, "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/pretrain.py", "--stage", "pretrain"])
     pretrain.main()
     given = load_file(tmp_path / "weights" / "open_clip_model.safetensors")

@@ -69,9 +69,10 @@ def _with_parents(path: Path) -> set[Path]:
 
 
 def _stage_helper(name: str) -> Path | None:
-    """`stages/_<x>.py`, the stages' shared helpers (`_common`, `_items`), which stage scripts import by bare name."""
-    path = ROOT / "stages" / f"{name}.py"
-    return path if name.startswith("_") and path.is_file() else None
+    """`stages/_<x>.py` for `stages._<x>`: the stages' shared helpers (`_common`, `_items`)."""
+    package, _, module = name.rpartition(".")
+    path = ROOT / "stages" / f"{module}.py"
+    return path if package == "stages" and module.startswith("_") and path.is_file() else None
 
 
 def module_imports(path: Path) -> set[Path]:
@@ -95,8 +96,9 @@ def module_imports(path: Path) -> set[Path]:
                 module = f"{stem}.{node.module}" if node.module else stem
             else:
                 module = node.module or ""
-            if (helper := _stage_helper(module)) is not None:
-                found.add(helper)
+            helpers = [_stage_helper(f"{module}.{alias.name}") for alias in node.names] + [_stage_helper(module)]
+            if any(helpers):                                       # `from stages import _items`, `from stages._common`
+                found |= {h for h in helpers if h is not None}
                 continue
             f = _module_file(module)
             if f is None:

@@ -214,22 +214,18 @@ INPROCESS_STAGES = ("sample", "word_regions", "sentences", "segments", "negative
 @pytest.fixture()
 def inprocess(monkeypatch):
     """run(project, stage, *argv): the stage's own main() in this process, against the project copy."""
-    monkeypatch.syspath_prepend(str(REPO / "stages"))
-    monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.delenv("DVC_STAGE", raising=False)
-    import _common
+    from stages import _common
 
-    import stages._common as pkg_common
-
-    # import every stage before anything is patched: `from _common import ROOT` binds at import time
-    modules = {name: importlib.import_module(name) for name in INPROCESS_STAGES}
+    # import every stage before anything is patched: `from stages._common import ROOT` binds at import time
+    modules = {name: importlib.import_module(f"stages.{name}") for name in INPROCESS_STAGES}
 
     def run(proj: Project, stage: str, *argv: str):
         name = stage.split("@")[0]
         if name == "train":                 # its settings file first, as DVC runs stage run_settings before it
             run(proj, "run_settings")
         module = modules[name]
-        for mod in (_common, pkg_common, module):
+        for mod in (_common, module):
             # ROOT and every absolute path derived from it at import time (e.g. sample's OUT) -> the copy:
             # an in-process stage must never write into the repository itself
             for attr, value in list(vars(mod).items()):

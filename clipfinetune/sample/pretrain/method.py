@@ -16,7 +16,9 @@ class PretrainFeatures(ClipFeatures):
         if "region_boxes" not in batch:
             return super().forward(batch)
         image = self.model.image_features(batch["image"], dense=True)   # one forward: embedding and dense map
-        names, inverse = torch.unique(batch["region_text"], dim=0, return_inverse=True)    # each name once
+        # the count of distinct names sizes the text batch (each name encoded once, once in the loss's denominator)
+        # sync: one read a step, in the sample world's pretraining only
+        names, inverse = torch.unique(batch["region_text"], dim=0, return_inverse=True)
         return {"image": image["global_"],
                 "text": self.model.encode_text(batch["text"], normalize=True),
                 "logit_scale": self.model.clip.logit_scale.exp(),
