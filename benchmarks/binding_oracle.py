@@ -28,7 +28,7 @@ and retrieval, and two diagnostics are printed:
 Also counted: how often a batch of the pretraining / fine-tuning order can even contain two images with the same
 bag of (colour, shape) words bound differently (the only case in which in-batch contrast rewards binding).
 
-Targets (issue 35): the oracle reaches swap_att >= 75 and swap_obj >= 70 with DESIGN section 8's thresholds kept
+Targets (issue 35): the oracle reaches swap_att >= 75 and swap_obj >= 70 with docs/design.md §8's thresholds kept
 (zero-shot 8 shapes >= 90, 64-way >= 60, box top-1 >= 70, I->T R@1 >= 30, replace_obj >= 75).
 
     python -m benchmarks.binding_oracle [--root .] [--variants clip binding oracle] [--out metrics.json]
