@@ -22,6 +22,7 @@ scored on a real model, epoch coverage under 100%, and every missing input (`cli
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -100,26 +101,27 @@ class DagStage:
     script: str
     args: dict
     declared: list[str]
-    deps: list[str]
+    deps: list[str]                   # data deps (not the code, not params.yaml)
     outs: list[str]
+    cmd: str = ""
+    every_dep: list[str] = field(default_factory=list)    # code and data, as dvc.lock lists them
 
 
 def dag_stages(root: Path, params_file: Path | None = None) -> list[DagStage]:
-    """The stages `dvc repro` would run for these params, in DVC's topological order, as DVC expands them. With a
-    params file other than <root>/params.yaml, dvc.yaml is resolved against it in a scratch copy (no data)."""
+    """The stages `dvc repro` would run for these params, in DVC's topological order, as DVC expands them: dvc.yaml
+    resolved against the params file in a scratch copy (no data, no lock), never in the project itself, which a
+    running `dvc repro` holds locked when stage plan@repro asks."""
     root = Path(root).resolve()
-    own = params_file is None or Path(params_file).resolve() == root / "params.yaml"
-    where = root if own else Path(tempfile.mkdtemp(prefix="clipfinetune-plan-"))
+    params_file = root / "params.yaml" if params_file is None else Path(params_file)
+    where = Path(tempfile.mkdtemp(prefix="clipfinetune-plan-"))
     try:
-        if not own:
-            (where / ".dvc").mkdir()
-            (where / ".dvc" / "config").write_text("[core]\n    no_scm = true\n    analytics = false\n")
-            shutil.copyfile(root / "dvc.yaml", where / "dvc.yaml")
-            shutil.copyfile(params_file, where / "params.yaml")
+        (where / ".dvc").mkdir()
+        (where / ".dvc" / "config").write_text("[core]\n    no_scm = true\n    analytics = false\n")
+        shutil.copyfile(root / "dvc.yaml", where / "dvc.yaml")
+        shutil.copyfile(params_file, where / "params.yaml")
         return _read_dag(where)
     finally:
-        if not own:
-            shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _read_dag(where: Path) -> list[DagStage]:
@@ -138,11 +140,101 @@ def _read_dag(where: Path) -> list[DagStage]:
             script = next((w for w in words if w.endswith(".py")), "")
             args = {words[i][2:]: words[i + 1] for i in range(len(words) - 1) if words[i].startswith("--")}
             declared = [k for p in stage.params for k in (p.params if isinstance(p.params, list) else list(p.params))]
+            every = [d.def_path for d in stage.deps if d.def_path != "params.yaml"]
             out.append(DagStage(stage.name, script, args, declared,
-                                [d.def_path for d in stage.deps if d.def_path != "params.yaml" and
-                                 not d.def_path.startswith(("stages/", "clipfinetune/"))],
-                                [o.def_path for o in stage.outs]))
+                                [d for d in every if not d.startswith(("stages/", "clipfinetune/"))],
+                                [o.def_path for o in stage.outs], stage.cmd, every))
     return out
+
+
+# ------------------------------------------------------------------------------- up to date, from dvc.lock
+class LockedStages:
+    """"Would `dvc repro` skip this stage?" answered from dvc.lock read as a file against the current params, cmd
+    and deps, never through DVC's repository API: inside `dvc repro` / `dvc exp run` stage plan@repro runs while
+    DVC holds the project's lock, and DVC has removed data/plan (plan@repro's own output) by then. A stage is up to
+    date when its lock entry has the same cmd, the same declared params with the same values, the same deps, each
+    dep and out holding the recorded md5 (a folder: DVC's `.dir` md5 of its file list), and every stage it depends
+    on is up to date too; plan@repro's own output counts as unchanged (the same file whenever the plan passes).
+    Anything unreadable or in an older lock format answers "not up to date", which only makes the plan ask more."""
+
+    DEFAULT_IGNORED = (".git", ".hg", ".dvc")       # DVC's own ignore list, before .dvcignore
+
+    def __init__(self, root: Path, params: dict, stages: list[DagStage]):
+        import yaml
+
+        self.root, self.params = Path(root), params
+        self.stages = {s.name: s for s in stages}
+        self.producer = {o: s.name for s in stages for o in s.outs}
+        try:
+            self.lock = (yaml.safe_load((self.root / "dvc.lock").read_text()) or {}).get("stages") or {}
+        except (OSError, yaml.YAMLError):
+            self.lock = {}
+        ignore = self.root / ".dvcignore"
+        extra = [line.strip().strip("/") for line in ignore.read_text().splitlines()] if ignore.is_file() else []
+        self.ignored = set(self.DEFAULT_IGNORED) | {p for p in extra if p and not p.startswith("#")}
+        self.known: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        if name not in self.known:
+            self.known[name] = False                   # a cycle (none in a DVC graph) answers "not up to date"
+            self.known[name] = self._check(name)
+        return self.known[name]
+
+    def _check(self, name: str) -> bool:
+        entry, stage = self.lock.get(name), self.stages.get(name)
+        if not entry or stage is None or entry.get("cmd") != stage.cmd:
+            return False
+        locked = {k: v for by_file in (entry.get("params") or {}).values() for k, v in (by_file or {}).items()}
+        missing = object()
+        if set(locked) != set(stage.declared) or any(_get(self.params, k, missing) != v for k, v in locked.items()):
+            return False
+        deps = {d["path"]: d for d in entry.get("deps") or []}
+        if set(deps) != set(stage.every_dep):
+            return False
+        for path, recorded in deps.items():
+            producers = self._producers_of(path)
+            if producers and all(self.stages[p].script == "stages/plan.py" for p in producers):
+                continue                               # data/plan: the same file whenever the plan passes
+            if not all(self(p) for p in producers) or not self._holds(path, recorded):
+                return False
+        return all(self._holds(o["path"], o) for o in entry.get("outs") or [])
+
+    def _producers_of(self, path: str) -> set[str]:
+        """The stages writing `path`, a file or folder inside it, or a folder holding it."""
+        p = Path(path)
+        return {n for o, n in self.producer.items() if p == Path(o) or Path(o) in p.parents or p in Path(o).parents}
+
+    def _holds(self, path: str, recorded: dict) -> bool:
+        if recorded.get("hash") != "md5" or "md5" not in recorded:
+            return False                               # DVC 2's md5-dos2unix or another algorithm: not compared
+        full = self.root / path
+        if not full.exists():
+            return False
+        if full.is_dir():
+            return str(recorded["md5"]).endswith(".dir") and self._dir_md5(full) == recorded["md5"]
+        if "size" in recorded and full.stat().st_size != recorded["size"]:
+            return False
+        return _file_md5(full) == recorded["md5"]
+
+    def _dir_md5(self, folder: Path) -> str:
+        """DVC's md5 of a folder: md5 of the JSON list of {md5, relpath} of its files, sorted by relpath, + ".dir"."""
+        entries = []
+        for top, dirs, files in os.walk(folder):
+            dirs[:] = [d for d in dirs if d not in self.ignored]
+            for f in files:
+                if f not in self.ignored:
+                    full = Path(top) / f
+                    entries.append({"md5": _file_md5(full), "relpath": full.relative_to(folder).as_posix()})
+        entries.sort(key=lambda e: e["relpath"])
+        return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
+
+
+def _file_md5(path: Path) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # -------------------------------------------------------------------------------------- the loader's coverage
@@ -301,12 +393,15 @@ class Hardware:
 
 
 def make_plan(params: dict, root, hardware: Hardware, *, stages: list[DagStage] | None = None,
-              leakage: bool = False, timeout: float = 5.0, stage_up_to_date=None) -> dict:
+              leakage: bool = False, timeout: float = 5.0) -> dict:
     """The plan as a dict: hardware, stages (StageRow as dicts, DVC's order), refusals, warnings, total_seconds, ok.
-    `stages`: DVC's view of the DAG (`dag_stages`); `stage_up_to_date(name) -> bool` answers whether DVC would skip
-    a stage (only the vLLM check asks it)."""
+    `stages`: DVC's view of the DAG (`dag_stages`). Whether a negatives stage would run (and so needs its LLM) comes
+    from the project's dvc.lock (`LockedStages`)."""
     root = Path(root)
     stages = dag_stages(root) if stages is None else stages
+    up_to_date = LockedStages(root, params, stages)
+    negatives = _producing(stages, "negatives")
+    asks_llm = bool(negatives) and not all(up_to_date(n) for n in negatives)
     refusals: list[Refusal] = []
     warnings: list[str] = []
     sizes, records = _Sizes(root), _Records(params, root)
@@ -347,10 +442,10 @@ def make_plan(params: dict, root, hardware: Hardware, *, stages: list[DagStage] 
     refusals += _tables_written(stages, params, runs)
     warnings += _tables_unread(stages, params, runs)
     refusals += _sample_sets_on_real_model(params)
-    r, w = _llm_beside_ranks(stages, params, compute, hardware, stage_up_to_date)
+    r, w = _llm_beside_ranks(stages, params, compute, hardware, asks_llm)
     refusals += r
     warnings += w
-    refusals += _missing_inputs(params, root, stages, leakage, timeout, warnings)
+    refusals += _missing_inputs(params, root, stages, leakage, timeout, warnings, asks_llm)
 
     rows = []
     shards_dir = root / "data" / "shards"
@@ -709,9 +804,10 @@ def _sample_sets_on_real_model(params: dict) -> list[Refusal]:
                     f"{', '.join(keys)}", fixes)]
 
 
-def _llm_beside_ranks(stages, params, compute, hardware, up_to_date) -> tuple[list[Refusal], list[str]]:
+def _llm_beside_ranks(stages, params, compute, hardware, asks_llm: bool) -> tuple[list[Refusal], list[str]]:
     """vLLM beside training: a server on this host (negatives.base_url local) holds ~0.9 of a card; the ranks must
-    not use that card (`compute.llm_gpus` keeps the last visible ones for it)."""
+    not use that card (`compute.llm_gpus` keeps the last visible ones for it). `asks_llm`: a negatives stage of
+    the DAG is not up to date, so it will ask the server."""
     neg = _producing(stages, "negatives")
     backend = _get(params, "negatives.backend")
     host = urlparse(str(_get(params, "negatives.base_url") or "")).hostname or ""
@@ -723,7 +819,7 @@ def _llm_beside_ranks(stages, params, compute, hardware, up_to_date) -> tuple[li
             warnings.append(f"compute.llm_gpus {compute['llm_gpus']} keeps GPU(s) for an LLM server, but no "
                             "negatives stage asks one on this host: compute.llm_gpus: 0 gives them to the ranks")
         return refusals, warnings
-    if up_to_date is not None and all(up_to_date(n) for n in neg):
+    if not asks_llm:
         warnings.append(f"{', '.join(neg)} is up to date: the vLLM server is not needed (stop it; compute.llm_gpus: 0 "
                         "gives its card to the ranks)")
         return refusals, warnings
@@ -739,12 +835,14 @@ def _llm_beside_ranks(stages, params, compute, hardware, up_to_date) -> tuple[li
     return refusals, warnings
 
 
-def _missing_inputs(params, root, stages, leakage, timeout, warnings) -> list[Refusal]:
+def _missing_inputs(params, root, stages, leakage, timeout, warnings, asks_llm: bool = True) -> list[Refusal]:
+    """Every missing input as a refusal (`clipfinetune.validate.check`); the LLM endpoint is probed only when a
+    negatives stage will run (`asks_llm`): once its table is up to date the server may be stopped."""
     from clipfinetune.validate import check
 
     produced = [o for s in stages for o in s.outs]
     out = []
-    for f in check(params, root, timeout, produced=produced, leakage_check=leakage):
+    for f in check(params, root, timeout, produced=produced, leakage_check=leakage, asks_llm=asks_llm):
         if f.missing and f.key.startswith("negatives."):
             out.append(Refusal("", f.key, f"no LLM endpoint: {f.message}",
                                [(f"start the server first: vllm serve {_get(params, 'negatives.model')} "
@@ -821,15 +919,6 @@ def visible_hardware() -> tuple[int, str]:
     return torch.cuda.device_count(), torch.cuda.get_device_name(0)
 
 
-def _up_to_date(root: Path):
-    def ask(stage: str) -> bool:
-        from dvc.repo import Repo
-
-        with Repo(str(root)) as repo:
-            return not repo.status(targets=[stage])
-    return ask
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="clipfinetune plan", description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: those visible here)")
@@ -855,14 +944,13 @@ def main(argv=None) -> int:
     gpus = seen if args.gpus is None else args.gpus
     kind = args.gpu_kind or (name if seen else ("cpu" if gpus == 0 else "unknown GPU (--gpu-kind)"))
     nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
-    own = params_path.resolve() == root.resolve() / "params.yaml"
     try:
         stages = dag_stages(root, params_path)
     except Exception as e:  # noqa: BLE001  dvc.yaml's ${...} or foreach do not resolve: `dvc repro` would stop too
         print(f"REFUSED: DVC cannot read the pipeline of {root} with {params_path}: {type(e).__name__}: {e}")
         return 1
     plan = make_plan(params, root, Hardware(gpus, nodes, kind), stages=stages,
-                     leakage=args.leakage, timeout=args.timeout, stage_up_to_date=_up_to_date(root) if own else None)
+                     leakage=args.leakage, timeout=args.timeout)
     plan["seconds_to_plan"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(plan, indent=2, default=str) if args.json else render(plan))
     return 0 if plan["ok"] else 1
