@@ -8,7 +8,11 @@ expands them) and resolves, per stage: device, ranks (clipfinetune.compute's rul
 applies), per-rank batch, steps per epoch, units seen and repeated per epoch (exact from the shards' index through
 `clipfinetune.data.loader.epoch_coverage` when the shards exist; before, estimated from the sources' record counts
 and marked so), input and output sizes, LLM requests, and a wall time from measured throughput
-(benchmarks/calibration.json, each figure with its source; "unknown" where nothing was measured).
+(benchmarks/calibration.json, each figure with its source), marked measured, scaled (from what, by what rule: a
+per-rank batch under the measured one interpolated between the card's latency floor and the batch-128 rate, a rank
+fed at most at its loader workers' rate) or unknown. The total is printed as "at least", with the share of stages it
+covers, and GPU-hours; a paper's own stated cost stands beside its run; a latency-bound per-rank batch (under ~32)
+is named with the better layout (the runs side by side on a share of the GPUs each).
 
 It exits 1 BEFORE any work, naming the param to change and values that would work, when the configuration would stop
 or silently degrade a run: a batch that does not split over the ranks, a stage declaring params it will not read
@@ -90,7 +94,12 @@ class StageRow:
     outputs_note: str = ""
     llm_requests: int | None = None
     seconds: float | None = None
-    time_source: str = "unknown"
+    basis: str = "unknown"            # measured | scaled | unknown (the time's)
+    time_source: str = "unknown"      # from what, by what rule
+    gpu_seconds: float | None = None  # seconds x the GPUs it holds
+    paper: str = ""                   # the paper's own stated cost of such a run, where it gives one
+    method: str = ""                  # a training stage's method (its step rate)
+    latency_bound: bool = False       # per-rank batch under ~32: more GPUs do not make its steps faster
     notes: list[str] = field(default_factory=list)
 
 
@@ -259,19 +268,71 @@ def load_calibration(root: Path) -> list[dict]:
     return json.loads(path.read_text()).get("figures", [])
 
 
-def find_figure(figures: list[dict], device: str, what: str, arch: str = "", method: str = "") -> dict | None:
+LARGE_BATCH = 128          # a train_step figure without `batch` was measured at 128 per rank (the step tables)
+LATENCY_BOUND = 32         # below this per-rank batch a step costs about as much as a tiny one (measured: 2 and 16)
+
+
+def find_figure(figures: list[dict], device: str, what: str, arch: str = "", method: str = "",
+                batch: int | None = None) -> dict | None:
     """The measured figure of `what` (train_step, segments, word_regions, ...) on this device kind (a figure's device
-    name contained in it, case-insensitive: "H200" in "NVIDIA H200"), for this architecture and method."""
+    name contained in it, case-insensitive: "H200" in "NVIDIA H200"), for this architecture and method (a figure
+    naming none applies to all), and for a train_step at this per-rank batch (None: the large-batch rate)."""
     device = device.lower()
     for f in figures:
-        if f["what"] == what and f.get("device", "").lower() in device and f.get("device") \
-                and f.get("arch", "") in ("", arch) and f.get("method", "") in ("", method):
+        if f["what"] == what and f.get("device") and f["device"].lower() in device \
+                and f.get("arch", "") in ("", arch) and f.get("method", "") in ("", method) \
+                and (batch is None or f.get("batch", LARGE_BATCH) == batch) \
+                and (batch is not None or what != "train_step" or f.get("batch", LARGE_BATCH) >= LARGE_BATCH):
             return f
     return None
 
 
 def _source(f: dict) -> str:
     return f"{f['value']:g} {f['unit']} on {f['device']} ({f['source']})"
+
+
+@dataclass
+class StepTime:
+    seconds: float             # one optimizer step's micro-batch on one rank
+    basis: str                 # measured | scaled
+    how: str                   # from what, by what rule
+
+
+def step_time(figures: list[dict], device: str, arch: str, method: str, batch: int) -> StepTime | None:
+    """Seconds of one training step at `batch` per rank, from the method's large-batch rate and the latency floor
+    (train_step figures at small batches, any method): at or above the large batch the per-sample rate holds
+    (linear); below it the step time is interpolated between the measured batches, and under the smallest one it is
+    that one's (a step cannot get cheaper than the card's latency). None when the method's rate was not measured."""
+    top = find_figure(figures, device, "train_step", arch, method)
+    if top is None:
+        return None
+    big = int(top.get("batch", LARGE_BATCH))
+    points = {big: big / top["value"]}
+    floor = [f for f in figures if f["what"] == "train_step" and f.get("device") and f["device"].lower()
+             in device.lower() and f.get("arch", "") in ("", arch) and f.get("method", "") in ("", method)
+             and f.get("batch", LARGE_BATCH) < big]
+    for f in floor:
+        points.setdefault(int(f["batch"]), int(f["batch"]) / f["value"])
+    if batch == big:
+        return StepTime(points[batch], "measured", _source(top))
+    same = [f for f in floor if f["batch"] == batch]
+    if same:                           # measured at this batch: this method's own step, or the card's latency floor
+        own = any(f.get("method", "") == method for f in same)
+        return StepTime(points[batch], "measured" if own else "scaled",
+                        _source(same[0]) + ("" if own else f"; the latency floor at batch {batch}, taken for {method}"))
+    if batch > big or len(points) == 1:
+        rule = "x batch / " + str(big) + (" (linear: no smaller batch measured, a lower bound below ~32 per GPU)"
+                                           if batch < big else " (linear above the measured batch)")
+        return StepTime(batch * points[big] / big, "scaled", f"{_source(top)}; step time {rule}")
+    sizes = sorted(points)
+    if batch < sizes[0]:
+        t = points[sizes[0]]
+    else:
+        lo = max(b for b in sizes if b < batch)
+        hi = min(b for b in sizes if b > batch)
+        t = points[lo] + (points[hi] - points[lo]) * (batch - lo) / (hi - lo)
+    measured = ", ".join(f"batch {b}: {points[b] * 1000:.1f} ms" for b in sizes)
+    return StepTime(t, "scaled", f"step time interpolated between the measured batches ({measured}; {_source(top)})")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -476,16 +537,58 @@ def make_plan(params: dict, root, hardware: Hardware, *, stages: list[DagStage] 
         warnings.append("dvc queue start -j N on this host: the GPU stages of concurrent experiments take their "
                         "cards one at a time (a lock per GPU), only the data stages overlap; -j 1 is as fast for "
                         "GPU-bound work")
-    known = [r.seconds for r in rows if r.seconds is not None]
+    warnings += _latency_advice(rows, figures, kind, str(_get(params, "model.name")), gpus, hardware.nodes)
+    for r in rows:
+        if r.seconds is not None:
+            r.gpu_seconds = r.seconds * len(r.gpus) * hardware.nodes if r.device == "cuda" and r.gpus else 0.0
+    counted = [r for r in rows if r.kind != "export" and r.stage.split("@", 1)[0] not in MINOR]
+    known = [r.seconds for r in counted if r.seconds is not None]
     sized = [r.outputs_bytes for r in rows if r.outputs_bytes is not None]
     disk = {"outputs_bytes": sum(sized) if sized else None, "stages_unsized": len(rows) - len(sized),
             "cache_type": _cache_type(root)}
     return {"disk": disk, "hardware": {**asdict(hardware), "device": device, "rank_gpus": gpus, "compute": compute},
             "stages": [asdict(r) for r in rows], "refusals": [asdict(r) for r in refusals], "warnings": warnings,
-            "total_seconds": sum(known) if known else None,
+            "total_seconds": sum(known) if known else None,      # at least: the stages with a time only
+            "timed_stages": len(known), "counted_stages": len(counted),
+            "gpu_hours": sum(r.gpu_seconds or 0 for r in counted) / 3600 if known else None,
             "unknown_time": _grouped([r.stage for r in rows if r.seconds is None and r.kind != "export"
                                       and r.stage not in MINOR]),
             "ok": not refusals}
+
+
+def _latency_advice(rows, figures, kind, arch, gpus, nodes) -> list[str]:
+    """Training stages whose per-rank batch leaves the GPUs latency-bound (under ~32: a step costs about what a
+    tiny one does), with the better layout: the runs side by side on a share of the GPUs each, instead of one
+    after another on all of them."""
+    bound = [r for r in rows if r.latency_bound and r.ranks > 1]
+    if not bound:
+        return []
+    names = ", ".join(r.stage for r in bound)
+    floor = sorted((f["batch"], f["batch"] / f["value"] * 1000) for f in figures if f["what"] == "train_step"
+                   and f.get("device") and f["device"].lower() in kind.lower() and f.get("batch", LARGE_BATCH) <
+                   LATENCY_BOUND and f.get("arch", "") in ("", arch))
+    measured = f" ({', '.join(f'batch {b}: {ms:.1f} ms' for b, ms in floor)} measured on {kind})" if floor else ""
+    text = (f"{names}: {', '.join(sorted({str(r.rank_batch) for r in bound}))} per GPU is latency-bound: a step "
+            f"costs about as much as at the smallest batch{measured}, so {len(gpus) * nodes} GPUs train a run little "
+            f"faster than one")
+    share = len(gpus) // len(bound) if len(bound) > 1 else 1
+    if len(bound) > 1 and share >= 1:
+        now = [r.seconds for r in bound]
+        side = []
+        for r in bound:
+            k = next((k for k in range(share, 0, -1) if r.global_batch % (k * nodes) == 0), 1)
+            step = step_time(figures, kind, arch, r.method, r.global_batch // (k * nodes))
+            side.append(None if step is None or r.seconds is None else
+                        r.epochs * r.steps_per_epoch * step.seconds)
+        timing = (f": about {_fmt_seconds(max(side))} for all instead of {_fmt_seconds(sum(now))}"
+                  if None not in side and None not in now else "")
+        text += (f". Better: the {len(bound)} runs side by side on {share} GPU(s) each (compute.train_nproc: "
+                 f"{share}, each run's experiment given its own {share} cards with CUDA_VISIBLE_DEVICES; the GPU "
+                 f"locks keep concurrent stages off each other's cards){timing}")
+    else:
+        text += (". Better: compute.train_nproc: 1 and the other GPUs for other experiments side by side "
+                 "(`dvc queue start -j N`, the GPU locks keep them apart)")
+    return [text]
 
 
 def _grouped(names: list[str]) -> list[str]:
@@ -551,6 +654,7 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
     if run is None:
         return
     train, method = run["train"], run["method"]
+    row.method = method
     global_batch, accum = int(train["batch_size"]), int(train.get("accum_steps", 1))
     row.epochs = int(train["epochs"])
     if not _training_ranks(row, global_batch, accum, batch_param(params, method), compute, gpus, most, hardware,
@@ -586,11 +690,33 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
                              "again: the loader's exact count)")
     if (sizes("models/base") or 0) and row.outputs_bytes is None:
         row.outputs_bytes, row.outputs_note = sizes("models/base"), "estimated (models/base's size)"
-    f = find_figure(figures, kind, "train_step", str(_get(params, "model.name")), method)
-    if f and row.steps_per_epoch:
-        samples = row.epochs * row.steps_per_epoch * global_batch
-        row.seconds = samples / (f["value"] * row.ranks)
-        row.time_source = f"{_source(f)}; x {row.ranks} ranks, linear (assumed); step only, no loader"
+    arch = str(_get(params, "model.name"))
+    _training_time(row, figures, kind, arch, method, accum, int(train.get("workers", 0) or 0))
+    for f in figures:                  # the paper's own cost of a run (any card: the one the authors had)
+        if f["what"] == "paper_run" and f.get("method") == method and f.get("arch", "") in ("", arch):
+            row.paper = f"{f['value']:g} {f['unit']} per {f['per']} on one {f['device']} ({f['source']})"
+            break
+
+
+def _training_time(row, figures, kind, arch, method, accum, workers) -> None:
+    """A training stage's time: steps x the step time at its per-rank micro-batch (`step_time`), each rank fed at
+    most `workers` x the loader's measured rate per worker (a step faster than that waits for its data)."""
+    if not row.steps_per_epoch or not row.rank_batch:
+        return
+    micro = row.rank_batch // accum
+    row.latency_bound = row.device == "cuda" and micro < LATENCY_BOUND
+    step = step_time(figures, kind, arch, method, micro)
+    if step is None:
+        return
+    seconds, basis, how = step.seconds, step.basis, step.how
+    loader = find_figure(figures, kind, "loader", arch) if workers else None
+    if loader and micro / seconds > loader["value"] * workers:
+        seconds, basis = micro / (loader["value"] * workers), "scaled"
+        how += f"; loader-bound: {workers} workers x {_source(loader)}"
+    elif not loader:
+        how += "; the loader not counted (no rate measured for it here)"
+    row.seconds = row.epochs * row.steps_per_epoch * accum * seconds
+    row.basis, row.time_source = basis, f"{micro} per rank, {seconds * 1000:.1f} ms/step: {how}"
 
 
 def _estimated_units(params: dict, run: dict, records, root: Path) -> int | None:
@@ -640,10 +766,8 @@ def _pretrain_row(row, params, compute, gpus, most, hardware, device, kind, figu
     if images:
         row.units, row.seen, row.repeated, row.coverage = images, images, 0, "estimated"
         row.steps_per_epoch = images // global_batch
-    f = find_figure(figures, kind, "train_step", str(_get(params, "model.name")), "clip")
-    if f and row.steps_per_epoch:
-        row.seconds = row.epochs * row.steps_per_epoch * global_batch / (f["value"] * row.ranks)
-        row.time_source = f"{_source(f)}; x {row.ranks} ranks, linear (assumed)"
+    row.method = "clip"
+    _training_time(row, figures, kind, str(_get(params, "model.name")), "clip", 1, 0)
 
 
 def _item_row(row, st, params, gpus, most, hardware, device, kind, figures, records):
@@ -654,6 +778,9 @@ def _item_row(row, st, params, gpus, most, hardware, device, kind, figures, reco
         sets = [f"{t}.{s}" for t, by in (_get(params, "eval.benchmarks") or {}).items() for s, cfg in (by or {}).items()
                 if cfg]
         row.items, row.items_what = len(sets), "benchmark sets"
+        f = find_figure(figures, kind, "eval_images", str(_get(params, "model.name")))
+        if f:
+            row.time_source = f"unknown: the sets' images are not counted here ({_source(f)})"
         return
     recs = records(source) if source else None
     if recs is not None:
@@ -664,9 +791,14 @@ def _item_row(row, st, params, gpus, most, hardware, device, kind, figures, reco
         f = find_figure(figures, kind, "segments", what)
         if f and row.items:
             row.seconds = row.items * f["value"] / row.ranks
-            row.time_source = f"{_source(f)}; / {row.ranks} ranks"
+            row.basis = "measured" if row.ranks == 1 else "scaled"
+            row.time_source = _source(f) + (f"; / {row.ranks} ranks (independent images)" if row.ranks > 1 else "")
         elif not sam:
             row.notes.append("segments.sam_checkpoint empty: the CPU segmenter (scikit-image), not SAM")
+    elif st.script == "stages/lism.py":
+        f = find_figure(figures, kind, "lism_crops")
+        if f:
+            row.time_source = f"unknown: the crops per image are known once segments has run ({_source(f)})"
 
 
 def _data_row(row, st, params, figures, records, sizes):
@@ -703,7 +835,7 @@ def _data_row(row, st, params, figures, records, sizes):
             row.outputs_bytes, row.outputs_note = images, "estimated (the sources' image files, not re-encoded)"
     f = find_figure(figures, "cpu", base) if base in ("word_regions", "sentences") else None
     if f and row.items:
-        row.seconds = row.items / f["value"]
+        row.seconds, row.basis = row.items / f["value"], "measured"
         row.time_source = _source(f)
 
 
@@ -861,7 +993,7 @@ def _missing_inputs(params, root, stages, leakage, timeout, warnings, asks_llm: 
 
 # ----------------------------------------------------------------------------------------------- output
 COLUMNS = ("stage", "device", "ranks", "batch/rank", "steps x epochs", "units/epoch (seen, repeated)", "items",
-           "in", "out", "LLM req", "time")
+           "in", "out", "LLM req", "time (basis)")
 
 
 def _cells(r: dict) -> list[str]:
@@ -876,7 +1008,9 @@ def _cells(r: dict) -> list[str]:
     device = r["device"] + (f" {','.join(r['gpus'])}" if r["gpus"] else "")
     out = _fmt_bytes(r["outputs_bytes"]) + (" est." if r["outputs_note"].startswith("estimated") else "")
     return [r["stage"], device, str(r["ranks"]), batch, steps, units, items, _fmt_bytes(r["inputs_bytes"]), out,
-            _fmt_int(r["llm_requests"]), _fmt_seconds(r["seconds"]) if r["kind"] != "export" else "seconds"]
+            _fmt_int(r["llm_requests"]),
+            (f"{_fmt_seconds(r['seconds'])} {r['basis']}" if r["seconds"] is not None else "unknown")
+            if r["kind"] != "export" else "seconds"]
 
 
 def render(plan: dict) -> str:
@@ -888,15 +1022,22 @@ def render(plan: dict) -> str:
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     lines += [fmt(COLUMNS), fmt(["-" * w for w in widths]), *map(fmt, body)]
     total = plan["total_seconds"]
-    lines.append(f"estimated time of the stages with a measured rate: {_fmt_seconds(total)}"
-                 + (f"; unknown (nothing measured): {', '.join(plan['unknown_time'])}" if plan["unknown_time"] else ""))
+    share = f"{plan['timed_stages']} of {plan['counted_stages']} stages"
+    lines.append((f"time: at least {_fmt_seconds(total)} (the {share} with a measured or scaled time; "
+                  f"GPU-hours at least {plan['gpu_hours']:.2f})" if total is not None else
+                  f"time: unknown (none of the {plan['counted_stages']} stages has a measured rate here)")
+                 + (f"; unknown: {', '.join(plan['unknown_time'])}" if plan["unknown_time"] else ""))
+    papers = [f"  {r['stage']}: ours {_fmt_seconds(r['seconds'])} on {len(r['gpus']) or 1} GPU(s); the paper: "
+              f"{r['paper']}" for r in plan["stages"] if r["paper"]]
+    if papers:
+        lines += ["the papers' stated cost beside ours:", *papers]
     disk = plan["disk"]
     copies = "once (linked from the cache)" if any(k in disk["cache_type"] for k in ("hardlink", "symlink")) else \
         "up to twice (workspace and cache: cache.type " + disk["cache_type"] + ")"
     lines.append(f"disk: outputs {_fmt_bytes(disk['outputs_bytes'])} as built or estimated "
                  f"({disk['stages_unsized']} stages not sized), held {copies}")
-    sources = sorted({r["time_source"] for r in plan["stages"] if r["seconds"] is not None})
-    lines += [f"  rate: {s}" for s in sources]
+    lines += [f"  time of {r['stage']} ({r['basis']}): {r['time_source']}" for r in plan["stages"]
+              if r["seconds"] is not None or r["time_source"].startswith("unknown:")]
     notes = [f"  {r['stage']}: {n}" for r in plan["stages"] for n in r["notes"]]
     if notes:
         lines += ["notes:", *notes]
