@@ -17,7 +17,7 @@ is named with the better layout (the runs side by side on a share of the GPUs ea
 It exits 1 BEFORE any work, naming the param to change and values that would work, when the configuration would stop
 or silently degrade a run: a batch that does not split over the ranks, a stage declaring params it will not read
 (`compute`, the hardware) or that the params lack, a run reading a table that no stage of the configuration writes
-(e.g. GOAL's local pairs with `lism.sources: []`), a GPU shared by a vLLM server and the ranks, sample-world sets
+(e.g. local pairs with `lism.sources: []`), a GPU shared by a vLLM server and the ranks, sample-world sets
 scored on a real model, epoch coverage under 100%, and every missing input (`clipfinetune.validate.check`). Warnings
 (idle GPUs, stages whose table no run reads, several nodes) do not fail it.
 
@@ -43,12 +43,6 @@ from clipfinetune import compute as rules
 from clipfinetune.runs import batch_param, resolve_runs
 
 CALIBRATION = Path("benchmarks") / "calibration.json"      # relative to the project root
-# the prepared table a method's records need, and the data stage that writes it ("local pairs" only when the run's
-# local terms are on: GOAL without them is its global-only ablation)
-TABLES = {"harmoclip": [("word-region pairs", "word_regions")], "degla": [("hard negatives", "negatives")],
-          "mulclip": [("sentences", "sentences")], "goal": [("local pairs", "lism")]}
-GOAL_LOCAL_WEIGHTS = ("lambda_local", "lambda_tsl")
-LONG_CAPTION_METHODS = {"goal", "mulclip"}        # records with a long caption (DOCCI-format); the rest short captions
 LONG_READERS = {"docci", "dci", "urban1k", "sharegpt4v"}
 STAGE_SOURCE_KIND = {"word_regions": "short", "negatives": "short", "sentences": "long", "segments": "long",
                      "lism": "long"}
@@ -403,22 +397,21 @@ def _kind_of_source(params: dict, name: str) -> str:
     return "long" if reader in LONG_READERS else "short"
 
 
-def _methods_of(run: dict) -> list[str]:
-    """A run's methods: its own, or for `custom` the methods whose terms it mixes ("<method>.<term>")."""
-    if run["method"] != "custom":
-        return [run["method"]]
-    return sorted({t.split(".")[0] for t in (run["config"].get("terms") or {})})
+def _method(run: dict):
+    """The run's method as configured (what the planner needs to know about it, it asks the method's hooks:
+    `prepared_tables`, `caption_kinds`, `units_table`, `epoch_unit`); None if it does not construct, which the
+    train stage would stop on too (`resolve_runs` refuses unknown methods and keys first)."""
+    from clipfinetune.methods import get_method
+
+    try:
+        return get_method(run["method"])(**run["config"])
+    except Exception:  # noqa: BLE001  the run's own error is the train stage's
+        return None
 
 
 def _tables_needed(run: dict) -> list[tuple[str, str]]:
-    out = []
-    for m in _methods_of(run):
-        for table, stage in TABLES.get(m, []):
-            if m == "goal" and run["method"] == "goal" and not any(
-                    float(run["config"].get(w, 1.0) or 0) for w in GOAL_LOCAL_WEIGHTS):
-                continue                                  # the global-only ablation reads no local pairs
-            out.append((table, stage))
-    return out
+    method = _method(run)
+    return method.prepared_tables() if method is not None else []
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -722,8 +715,10 @@ def _training_time(row, figures, kind, arch, method, accum, workers) -> None:
 def _estimated_units(params: dict, run: dict, records, root: Path) -> int | None:
     """An epoch's units from the sources' records (before the shards exist): the records of `shards.sources` in
     `shards.splits` the method wants, counted in its unit (`train.epoch_unit`), capped by `epoch_samples`."""
-    methods = _methods_of(run)
-    long = any(m in LONG_CAPTION_METHODS for m in methods)
+    method = _method(run)
+    if method is None:
+        return None
+    long = "long" in method.caption_kinds()
     splits = set(_get(params, "shards.splits") or [])
     wanted = []
     for name in _get(params, "shards.sources") or []:
@@ -733,15 +728,15 @@ def _estimated_units(params: dict, run: dict, records, root: Path) -> int | None
         wanted += [r for r in recs if (not r.split or r.split in splits)
                    and (bool(r.long_caption) if long else bool(r.captions))]
     units = len(wanted)
-    if run["train"].get("epoch_unit") == "method" and run["method"] != "custom":
-        if run["method"] == "harmoclip":            # word-region pairs: counted once word_regions has written them
-            table = root / "data" / "prepared" / "word_regions.parquet"
+    if run["train"].get("epoch_unit") == "method":
+        if method.units_table():                    # a prepared table's rows: counted once its stage has written it
+            table = root / "data" / "prepared" / f"{method.units_table()}.parquet"
             if not table.is_file():
                 return None
             import pyarrow.parquet as pq
 
             units = pq.ParquetFile(table).metadata.num_rows
-        elif not long:
+        elif method.epoch_unit == "caption":
             units = sum(len(r.captions) for r in wanted)
     samples = int(run["train"].get("epoch_samples", 0) or 0)
     return min(units, samples) if samples else units
@@ -867,10 +862,11 @@ def _sources_of_kind(params: dict, kind: str) -> list[str]:
 
 def _tables_written(stages: list[DagStage], params: dict, runs: dict) -> list[Refusal]:
     """A run whose records need a table (word-region pairs, negatives, sentences, local pairs) that no stage of the
-    DAG writes, or whose kind of caption no shard source holds: it would stop on "no records", or (GOAL without
-    local pairs) silently train as its global-only ablation."""
+    DAG writes, or whose kind of caption no shard source holds: it would stop on "no records", or (a run without
+    its local pairs) silently train as its global-only ablation."""
     out = []
     for name, run in runs.items():
+        method = _method(run)
         for table, base in _tables_needed(run):
             if _producing(stages, base):
                 continue
@@ -879,16 +875,17 @@ def _tables_written(stages: list[DagStage], params: dict, runs: dict) -> list[Re
                                                             if _kind_of_source(params, n) == kind]
             chain = [base] + (["segments", "sentences"] if base == "lism" else [])
             fixes = [f"{b}.sources: [{fix_sources[0]}]" for b in chain] if fix_sources else []
-            if run["method"] == "goal":
-                fixes.append(f"or a global-only run: runs.{name}.lambda_local: 0 and runs.{name}.lambda_tsl: 0")
+            switches = method.tables_switched_off_by()
+            if switches:
+                fixes.append("or a run that reads none (a global-only run): "
+                             + " and ".join(f"runs.{name}.{w}: 0" for w in switches))
             fixes.append("or apply the paper's recipe over the committed base (recipes/)")
             silently = " and would silently train as its global-only ablation" if base == "lism" else ""
             out.append(Refusal(f"train@{name}", f"{base}.sources",
                                f"run {name} (method {run['method']}) reads {table}, which stage {base} writes, but "
                                f"{base}.sources is {_get(params, f'{base}.sources')!r}: no stage writes them"
                                f"{silently}", fixes))
-        kinds = {"long" if m in LONG_CAPTION_METHODS else "short" for m in _methods_of(run)}
-        for kind in kinds:
+        for kind in sorted(method.caption_kinds() if method is not None else ()):
             if not _sources_of_kind(params, kind):
                 wanted = "long-caption (DOCCI-format)" if kind == "long" else "short-caption (COCO-format)"
                 have = [n for n, s in (_get(params, "sources") or {}).items() if _kind_of_source(params, n) == kind]
@@ -907,7 +904,7 @@ def _tables_unread(stages: list[DagStage], params: dict, runs: dict) -> list[str
         readers |= {base for _, base in _tables_needed(run)}
     benchmarks = json.dumps(_get(params, "eval.benchmarks") or {})
     if "data/evalsets/global_local" in benchmarks:
-        readers.add("lism")                           # lism also writes GOAL's joint test list
+        readers.add("lism")                           # lism also writes the global-local test list
     for base in list(readers):
         readers |= set(DOWNSTREAM.get(base, []))
     if "lism" in readers:
@@ -978,7 +975,7 @@ def _missing_inputs(params, root, stages, leakage, timeout, warnings, asks_llm: 
         if f.missing and f.key.startswith("negatives."):
             out.append(Refusal("", f.key, f"no LLM endpoint: {f.message}",
                                [(f"start the server first: vllm serve {_get(params, 'negatives.model')} "
-                                "--generation-config vllm (recipes/degla.yaml: on its own GPU)"),
+                                "--generation-config vllm (the recipe's header: on its own GPU)"),
                                 "negatives.backend: offline"]))
         elif f.missing:
             out.append(Refusal("", f.key, f"missing input: {f.message}",

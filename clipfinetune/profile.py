@@ -370,7 +370,7 @@ def main(argv=None, prog: str = "python -m clipfinetune.profile") -> int:
 
 
 def add_recipe_arguments(parser) -> None:
-    parser.add_argument("paper", help="a recipe of recipes/: harmoclip | fsc_clip | goal | degla | mulclip")
+    parser.add_argument("paper", help="a recipe of recipes/: its file name without .yaml")
     parser.add_argument("--params", default="params.yaml", help="the params file to write (default: params.yaml)")
     parser.add_argument("--base", default=None, help="the commit whose params.yaml the recipe is applied over "
                                                       "(default: HEAD, or the newest with the sample world's)")

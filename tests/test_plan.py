@@ -305,6 +305,23 @@ def test_a_latency_bound_batch_takes_the_floor_names_the_better_layout_and_the_p
     assert not [w for w in make(tree, params, stages, 1)["warnings"] if "latency-bound" in w]
 
 
+def test_the_project_tools_name_no_method():
+    """What the planner needs to know about a method (its prepared tables, its kind of caption, its epoch's units)
+    it asks the method's hooks (methods/base.py), as the trainer does: no method's name in the tools' code, except
+    a comment line or an import of a data package named after its paper."""
+    import re
+
+    from clipfinetune.registry import METHODS
+
+    names = re.compile("|".join([m for m in METHODS if m != "clip"] + ["fsc"]), re.IGNORECASE)
+    tools = [ROOT / "clipfinetune" / f"{m}.py" for m in ("plan", "validate", "profile", "cli")]
+    found = [f"{path.name}:{i}: {line.strip()}" for path in tools
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if names.search(line) and not line.strip().startswith("#")
+             and not re.match(r"\s*from clipfinetune\.data\.[\w.]+ import", line)]
+    assert found == []
+
+
 def test_the_committed_sample_params_pass_on_the_cpu_through_the_command_line(tree):
     path = tree["root"] / "params.yaml"
     path.write_text(committed("params.yaml"))
