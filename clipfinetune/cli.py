@@ -1,31 +1,5 @@
-"""`clipfinetune <command>`: the project's command line (pyproject.toml [project.scripts]).
+"""The `clipfinetune` command's former entry point: environments installed before the project's tools moved to
+clipfinetune/project/ still call `clipfinetune.cli:main` until reinstalled (`pip install -e .`)."""
+from clipfinetune.project.cli import main
 
-    clipfinetune recipe <paper>     params.yaml for one paper's protocol (clipfinetune/profile.py)
-    clipfinetune plan               what `dvc repro` would run with the applied params, checked before any work
-                                    (clipfinetune/plan.py)
-
-Each command is also its module's own `python -m clipfinetune.<module>`.
-"""
-from __future__ import annotations
-
-import importlib
-import sys
-
-COMMANDS = {"recipe": "clipfinetune.profile", "plan": "clipfinetune.plan"}   # command -> module with main(argv)
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    command, rest = argv[0], argv[1:]
-    if command == "recipe":
-        from clipfinetune import profile
-
-        return profile.main(["recipe", *rest], prog="clipfinetune")
-    return importlib.import_module(COMMANDS[command]).main(rest)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["main"]

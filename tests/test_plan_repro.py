@@ -26,7 +26,7 @@ from fixtures import real_tree
 from fixtures.llm import openai_server, rewrite_reply
 from fixtures.project import copy_project, env
 
-from clipfinetune import profile
+from clipfinetune.project import profile
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_CUDA = Path(__file__).resolve().parent / "fixtures" / "fake_cuda"

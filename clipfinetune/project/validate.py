@@ -1,6 +1,6 @@
 """Check a params file before anything runs: every configured path, weight and endpoint.
 
-    python -m clipfinetune.validate [--params params.yaml] [--root .] [--timeout 5]
+    python -m clipfinetune.project.validate [--params params.yaml] [--root .] [--timeout 5]
 
 Names everything missing (one line each: the param key, what was expected, where) and exits 1 if anything is;
 notes (e.g. a CPU fallback in use, open_clip weights not cached yet) do not fail. Paths that a pipeline stage
@@ -295,7 +295,7 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clipfinetune.validate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m clipfinetune.project.validate", description=__doc__.splitlines()[0])
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--root", default=None, help="project root paths are relative to (default: the params file's folder)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for the endpoint check")
