@@ -359,3 +359,21 @@ def test_dvc_repro_of_a_refused_real_configuration_stops_at_the_plan_before_any_
     assert proc.returncode != 0 and "plan@repro" in out and "lism.sources" in out and "global-only" in out, out[-3000:]
     assert not (root / "data/plan/passed.json").exists() and not (root / "models/base").exists()
     assert not list((root / "data/prepared").glob("*.parquet")) and not (root / "data/shards").exists()
+
+
+def test_calibration_figures_keep_one_per_batch_and_carry_their_schema(tmp_path):
+    """benchmarks/calibration.py absorbs rows in the figure schema with a per-rank `batch` (the acceptance run's):
+    a figure replaces the one of the same device, what, arch, method and batch, and keeps the other batches."""
+    from benchmarks.calibration import record
+
+    path = tmp_path / "calibration.json"
+    row = {"device": "NVIDIA H200", "what": "train_step", "arch": "ViT-B-16", "method": "clip", "unit": "samples/s",
+           "per": "GPU", "settings": "s", "source": "first"}
+    record([{**row, "batch": 2, "value": 36.0}, {**row, "batch": 128, "value": 1602.0}], path)
+    record([{**row, "batch": 2, "value": 40.0, "source": "second"}], path)
+    figures = json.loads(path.read_text())["figures"]
+    assert sorted((f["batch"], f["value"], f["source"]) for f in figures) == [(2, 40.0, "second"),
+                                                                              (128, 1602.0, "first")]
+    committed_figures = json.loads((ROOT / "benchmarks" / "calibration.json").read_text())["figures"]
+    keys = {"device", "what", "arch", "method", "value", "unit", "per", "settings", "source"}
+    assert all(keys <= set(f) <= keys | {"batch"} for f in committed_figures)
