@@ -209,10 +209,12 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
 def _training_time(row, figures, kind, arch, method, accum, workers) -> None:
     """A training stage's time: steps x the step time at its per-rank micro-batch (`step_time`), each rank fed at
     most `workers` x the loader's measured rate per worker (a step faster than that waits for its data)."""
-    if not row.steps_per_epoch or not row.rank_batch:
+    if not row.rank_batch:
         return
     micro = row.rank_batch // accum
     row.latency_bound = row.device == "cuda" and micro < LATENCY_BOUND
+    if not row.steps_per_epoch:
+        return
     step = step_time(figures, kind, arch, method, micro)
     if step is None:
         return
@@ -362,8 +364,8 @@ def _latency_advice(rows, figures, kind, arch, gpus, nodes) -> list[str]:
                    LATENCY_BOUND and f.get("arch", "") in ("", arch))
     measured = f" ({', '.join(f'batch {b}: {ms:.1f} ms' for b, ms in floor)} measured on {kind})" if floor else ""
     text = (f"{names}: {', '.join(sorted({str(r.rank_batch) for r in bound}))} per GPU is latency-bound: a step "
-            f"costs about as much as at the smallest batch{measured}, so {len(gpus) * nodes} GPUs train a run little "
-            f"faster than one")
+            f"costs about as much as at the smallest batch{measured}, so {max(r.ranks for r in bound)} GPUs train a run "
+            f"little faster than one")
     share = len(gpus) // len(bound) if len(bound) > 1 else 1
     if len(bound) > 1 and share >= 1:
         now = [r.seconds for r in bound]
@@ -379,6 +381,6 @@ def _latency_advice(rows, figures, kind, arch, gpus, nodes) -> list[str]:
                  f"{share}, each run's experiment given its own {share} cards with CUDA_VISIBLE_DEVICES; the GPU "
                  f"locks keep concurrent stages off each other's cards){timing}")
     else:
-        text += (". Better: compute.train_nproc: 1 and the other GPUs for other experiments side by side "
-                 "(`dvc queue start -j N`, the GPU locks keep them apart)")
+        text += (". Better: compute.train_nproc: 1, and the other GPUs for other work (another experiment given "
+                 "its own cards with CUDA_VISIBLE_DEVICES; the GPU locks keep concurrent stages off each other's cards)")
     return [text]
