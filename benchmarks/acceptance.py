@@ -4,7 +4,7 @@ H100/H200; on a machine without CUDA the same parts at a tiny size (`--tiny`, wh
 Parts, in order, each catching its own errors and writing its rows as it finishes (a lease may end mid-run):
 1. env: the device, the packages each part needs (`NEEDS`) and what is missing.
 2. the miniature real profile (tests/fixtures/real_tree.py's tree, params.real.yaml applied with
-   `clipfinetune.profile`, compute shrunk by `overrides`): `dvc repro shards` on cuda, SAM vit_b with random weights
+   `clipfinetune.project.profile`, compute shrunk by `overrides`): `dvc repro shards` on cuda, SAM vit_b with random weights
    (thresholds 0, so random masks still give segments), LISM, a fake OpenAI-compatible server for the negatives.
 3. `benchmarks --gpu`'s step table: every method's `Trainer.train_step` (ViT-B-16 random init, 224 px, bf16, batch
    128) on a batch its `make_example` builds from part 2's shards (every annotation is there), a bf16 GEMM's rate.
@@ -266,10 +266,10 @@ def shrink_train(train) -> None:
 
 def make_project(dst: Path, datasets: Path, profiles: list[str], size: dict, built: dict, base_url: str) -> dict:
     """A copy of the code (no git: DVC runs with `core.no_scm`) over the shared miniature tree, the profiles applied
-    with `clipfinetune.profile` and the compute shrunk. Returns the applied params."""
+    with `clipfinetune.project.profile` and the compute shrunk. Returns the applied params."""
     from ruamel.yaml import YAML
 
-    from clipfinetune.profile import apply, deep_merge, load
+    from clipfinetune.project.profile import apply, deep_merge, load
 
     shutil.rmtree(dst, ignore_errors=True)
     for rel in CODE:
@@ -476,7 +476,7 @@ def main(argv=None) -> int:
         if not missing("dag"):
             archs = set()
             if not size["arch"]:
-                from clipfinetune.profile import load
+                from clipfinetune.project.profile import load
                 archs = {(load(ROOT / "params.real.yaml").get("model") or {}).get("name", "ViT-B-16")} | {
                     (load(ROOT / "recipes" / f"{r}.yaml").get("model") or {}).get("name", "ViT-B-16") for r in recipes}
             built = run_part(report, "dag setup", build_datasets, work / "tree", size, archs)

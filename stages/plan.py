@@ -1,7 +1,7 @@
 """Stage plan@repro: `clipfinetune plan` as the first stage of every `dvc repro` / `dvc exp run` of a configuration
 that lists it (params `plan.check: [repro]`, as params.real.yaml does; `[]` leaves it out, as on the sample world).
 
-It resolves the applied params.yaml on the GPUs this host shows (clipfinetune/plan.py, docs/scale.md) and exits 1
+It resolves the applied params.yaml on the GPUs this host shows (clipfinetune/project/plan/, docs/scale.md) and exits 1
 with the plan's table and refusals (the param to change, values that work) when a stage would stop or silently
 degrade later: a batch the ranks cannot split, a run reading a table no stage writes, a vLLM server sharing a card
 with the ranks, a real model scored on the sample world's sets, an epoch that misses units, a missing input. Every
@@ -22,8 +22,8 @@ OUT = ROOT / "data" / "plan" / "passed.json"
 
 def main() -> None:
     _, params, log = start(__doc__, "plan@repro")
-    from clipfinetune import plan
     from clipfinetune.io import write_json
+    from clipfinetune.project import plan
 
     if plan.main(["--params", str(ROOT / "params.yaml"), "--root", str(ROOT)]) != 0:
         raise SystemExit("plan@repro: refused (above: the param to change and values that work); nothing else ran. "

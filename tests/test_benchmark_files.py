@@ -13,9 +13,10 @@ import pytest
 from fixtures.eval import world
 from fixtures.eval.fakes import write_image
 
-from clipfinetune import leakage, profile
+from clipfinetune import leakage
 from clipfinetune.data.benchmarks.sets import benchmark_files, benchmark_manifest, read_set
 from clipfinetune.io import InputError
+from clipfinetune.project import profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

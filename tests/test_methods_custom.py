@@ -148,3 +148,17 @@ def test_custom_harmoclip_lexeme_region_keeps_its_gradient_out_of_the_text_proje
     grad = model.clip.text_projection.grad
     assert grad is None or not grad.any()
     assert any(p.grad is not None and p.grad.any() for p in model.clip.transformer.parameters())
+
+
+def test_what_the_planner_asks_a_mix_is_what_its_methods_ask():
+    """clipfinetune plan asks a run's method (prepared tables, caption kinds): a mix needs every table of the
+    methods whose terms it sums, and GOAL's local pairs only while one of its local terms is summed."""
+    mix = get_method("custom")(terms={"degla.distill": 0.005, "harmoclip.global_region": 1.0})
+    assert set(mix.prepared_tables()) == {("hard negatives", "negatives"), ("word-region pairs", "word_regions")}
+    assert mix.caption_kinds() == {"short"}
+    local = get_method("custom")(terms={"clip.contrastive": 0, "goal.tsl_image": 2.0})
+    assert local.prepared_tables() == [("local pairs", "lism")] and local.caption_kinds() == {"long"}
+    both = get_method("custom")(terms={"goal.tsl_image": 2.0})             # CLIP's contrastive term kept
+    assert both.caption_kinds() == {"long", "short"}
+    assert get_method("goal")(lambda_local=0.0, lambda_tsl=0.0).prepared_tables() == []     # global-only
+    assert get_method("goal")().prepared_tables() == [("local pairs", "lism")]

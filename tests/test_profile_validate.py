@@ -1,4 +1,4 @@
-"""The real-data profile (params.real.yaml), `clipfinetune.profile apply` and `clipfinetune.validate`."""
+"""The real-data profile (params.real.yaml), `clipfinetune.project.profile apply` and `clipfinetune.project.validate`."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +11,7 @@ from fixtures.llm import openai_server
 from fixtures.profiles import unknown_keys
 from fixtures.project import committed, committed_params
 
-from clipfinetune import profile, validate
+from clipfinetune.project import profile, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "params.real.yaml"

@@ -13,8 +13,8 @@ import pytest
 from fixtures import real_tree
 from fixtures.project import committed_params
 
-from clipfinetune import profile
 from clipfinetune.data.benchmarks.sets import read_set
+from clipfinetune.project import profile
 from clipfinetune.train import TrainConfig, merge_train_settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from fixtures.llm import openai_server
 from fixtures.profiles import unknown_keys
 from fixtures.project import committed, committed_params, copy_project, run, write_params
 
-from clipfinetune import profile
+from clipfinetune.project import profile
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("harmoclip", "fsc_clip", "goal", "degla", "mulclip")
@@ -77,7 +77,7 @@ def _apply(project, paper: str | None = None, extra: dict | None = None) -> dict
         out = run(repo, "clipfinetune", "recipe", paper).stdout
         assert "replaced" not in out and "kept" not in out, out          # a clean workspace: no edit to report
     else:
-        run(repo, "python", "-m", "clipfinetune.profile", "apply", "params.real.yaml")
+        run(repo, "python", "-m", "clipfinetune.project.profile", "apply", "params.real.yaml")
     params = yaml.safe_load((repo / "params.yaml").read_text())
     stand_ins = {**CPU, "negatives": {"base_url": project["base_url"]}}
     if params["lism"]["model"] != "models/base":
@@ -88,7 +88,7 @@ def _apply(project, paper: str | None = None, extra: dict | None = None) -> dict
 
 
 def _validate(project):
-    return run(project["repo"], "python", "-m", "clipfinetune.validate", "--timeout", "2", check=False)
+    return run(project["repo"], "python", "-m", "clipfinetune.project.validate", "--timeout", "2", check=False)
 
 
 def _paths(node):

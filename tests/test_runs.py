@@ -124,7 +124,7 @@ def test_every_committed_run_resolves_and_builds_its_method():
 @pytest.mark.parametrize("recipe", ["harmoclip", "fsc_clip", "goal", "degla", "mulclip"])
 def test_every_recipes_runs_resolve_over_the_real_base_and_build_their_methods(recipe):
     """A recipe's weights (its `loss` keys) reach each of its runs; a run states only what it changes."""
-    from clipfinetune import profile
+    from clipfinetune.project import profile
 
     params = profile.merged([ROOT / "params.yaml", ROOT / "params.real.yaml", ROOT / "recipes" / f"{recipe}.yaml"])
     own = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())

@@ -35,6 +35,9 @@ class Method:
     terms: ClassVar[dict[str, str | None]] = {}
     train_keys: frozenset[str] = frozenset()    # extra keys allowed in params `train.<method>`
     epoch_unit: str = "image"                   # what the paper's epoch iterates: image | caption | word_region
+    # the records it trains on, as the project's tools (clipfinetune plan) ask: "short" captions (COCO-format) or a
+    # "long" caption (DOCCI-format)
+    caption_kind: str = "short"
 
     @classmethod
     def methods_run(cls, config: dict) -> tuple[str, ...]:
@@ -102,6 +105,26 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    # ----------------------------------------------------------------------------------- what the planner asks
+    def prepared_tables(self) -> list[tuple[str, str]]:
+        """The prepared tables this configuration's records need, as (what, the data stage writing it), e.g.
+        [("word-region pairs", "word_regions")]; [] when the shards' captions are all it reads."""
+        return []
+
+    def tables_switched_off_by(self) -> tuple[str, ...]:
+        """Constructor weights which, all 0, leave `prepared_tables` unread (a configuration of this method that
+        trains without them); () when none does."""
+        return ()
+
+    def caption_kinds(self) -> set[str]:
+        """The kinds of caption (`caption_kind`) this configuration's records must hold."""
+        return {self.caption_kind}
+
+    def units_table(self) -> str:
+        """With `train.epoch_unit: method`, the data stage whose table's rows are the epoch's units (counted there
+        before the shards exist); "" when the units come from the records (`epoch_unit` image or caption)."""
+        return ""
 
     # ----------------------------------------------------------------------------------- composition (`custom`)
     def join_mix(self, terms: frozenset[str]) -> None:

@@ -158,6 +158,12 @@ class CustomMethod(Method):
     def wants(self, record: dict) -> bool:
         return all(m.wants(record) for m in self.methods.values())
 
+    def prepared_tables(self) -> list[tuple[str, str]]:
+        return list(dict.fromkeys(t for m in self.methods.values() for t in m.prepared_tables()))
+
+    def caption_kinds(self) -> set[str]:
+        return set().union(*(m.caption_kinds() for m in self.methods.values())) if self.methods else {"short"}
+
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         example: dict = {}
         for name, method in self.methods.items():

@@ -105,6 +105,9 @@ class DeglaMethod(Method):
         if not 0.0 <= self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in [0, 1], got {ema_alpha}")
 
+    def prepared_tables(self) -> list[tuple[str, str]]:
+        return [("hard negatives", "negatives")]
+
     def wants(self, record: dict) -> bool:
         return bool(caption_negatives(record))
 

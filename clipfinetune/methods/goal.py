@@ -98,6 +98,7 @@ class GoalFeatures(nn.Module):
 
 class GoalMethod(Method):
     name = "goal"
+    caption_kind = "long"
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": "lambda_global", "local_contrastive": "lambda_local", "tsl_image": "lambda_tsl",
         "tsl_text": "lambda_tsl"}
@@ -113,6 +114,12 @@ class GoalMethod(Method):
 
     def wants(self, record: dict) -> bool:
         return bool(record.get("long_caption"))
+
+    def prepared_tables(self) -> list[tuple[str, str]]:
+        return [("local pairs", "lism")] if self.local else []    # global-only: the ablation reads none
+
+    def tables_switched_off_by(self) -> tuple[str, ...]:
+        return ("lambda_local", "lambda_tsl")
 
     def make_example(self, record: dict, image, rng: random.Random, ctx) -> dict:
         caption = record["long_caption"]

@@ -125,6 +125,12 @@ class HarmoClipMethod(Method):
         self.mask_same_category = bool(mask_same_category)
         self.lexeme_projection_grad = bool(lexeme_projection_grad)
 
+    def prepared_tables(self) -> list[tuple[str, str]]:
+        return [("word-region pairs", "word_regions")]
+
+    def units_table(self) -> str:
+        return "word_regions"
+
     def wants(self, record: dict) -> bool:
         return bool(record.get("word_regions")) and bool(record.get("captions"))
 

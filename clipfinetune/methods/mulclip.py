@@ -81,6 +81,7 @@ class MulClipModule(nn.Module):
 
 class MulClipMethod(Method):
     name = "mulclip"
+    caption_kind = "long"
     terms: ClassVar[dict[str, str | None]] = {
         "contrastive": None, "contrastive_short": "lambda_short", "word_patch": "lambda_word",
         "subcaption_patch": "lambda_sub"}
@@ -101,6 +102,9 @@ class MulClipMethod(Method):
 
     def join_mix(self, terms: frozenset[str]) -> None:
         self._mix_terms = frozenset(terms)
+
+    def prepared_tables(self) -> list[tuple[str, str]]:
+        return [("sentences", "sentences")]
 
     def wants(self, record: dict) -> bool:
         return bool(record.get("long_caption")) and bool(record.get("sentences"))

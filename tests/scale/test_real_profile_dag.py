@@ -55,13 +55,13 @@ def real(tmp_path_factory):
     export_model(load_model("cft-tiny-vit"), repo / WEIGHTS)
     rec = {"repo": repo, "counts": counts}
     with openai_server(rewrite_reply(real_tree.NOUNS, real_tree.ADJECTIVES)) as (base_url, received):
-        applied = _run(repo, "python", "-m", "clipfinetune.profile", "apply", "params.real.yaml")
+        applied = _run(repo, "python", "-m", "clipfinetune.project.profile", "apply", "params.real.yaml")
         rec["applied"] = applied.stdout
         write_params(repo, {**CPU, "negatives": {**CPU["negatives"], "base_url": base_url}})
         _run(repo, "git", "init", "-q")
         _run(repo, "git", "add", "-A")
         _run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "real-data profile")
-        rec["validate"] = _run(repo, "python", "-m", "clipfinetune.validate", check=False)
+        rec["validate"] = _run(repo, "python", "-m", "clipfinetune.project.validate", check=False)
         if rec["validate"].returncode:
             pytest.fail(f"validate failed:\n{rec['validate'].stdout}")
         t0 = time.perf_counter()

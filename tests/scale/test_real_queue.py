@@ -37,7 +37,7 @@ def swept(tmp_path_factory):
     torch.manual_seed(0)
     export_model(load_model("cft-tiny-vit"), repo / WEIGHTS)
     with openai_server(rewrite_reply(real_tree.NOUNS, real_tree.ADJECTIVES)) as (base_url, received):
-        _run(repo, "python", "-m", "clipfinetune.profile", "apply", "params.real.yaml")
+        _run(repo, "python", "-m", "clipfinetune.project.profile", "apply", "params.real.yaml")
         write_params(repo, {**CPU, "negatives": {**CPU["negatives"], "base_url": base_url}})
         _run(repo, "git", "init", "-q")
         _commit(repo, "real-data profile")                  # the `datasets` link is committed (README)

@@ -1,7 +1,7 @@
 """The papers' recipes and other parameter profiles, written into params.yaml.
 
-    clipfinetune recipe <paper> [--params params.yaml] [--base REF] [--dry-run]   # or python -m clipfinetune.profile recipe
-    python -m clipfinetune.profile apply <profile.yaml>... [--params params.yaml] [--dry-run]
+    clipfinetune recipe <paper> [--params params.yaml] [--base REF] [--dry-run]   # or python -m clipfinetune.project.profile recipe
+    python -m clipfinetune.project.profile apply <profile.yaml>... [--params params.yaml] [--dry-run]
 
 `recipe <paper>` writes params.yaml = the COMMITTED params.yaml (`git show HEAD:params.yaml`: the sample world's)
 + params.real.yaml (the shared real-data base) + recipes/<paper>.yaml. It is built from the committed file, never
@@ -352,7 +352,7 @@ def _report_recipe(paper: str, params: str, out: dict, dry_run: bool) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None, prog: str = "python -m clipfinetune.profile") -> int:
+def main(argv=None, prog: str = "python -m clipfinetune.project.profile") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     add_recipe_arguments(sub.add_parser("recipe", help="write params.yaml for one paper (recipes/<paper>.yaml)"))
@@ -370,7 +370,7 @@ def main(argv=None, prog: str = "python -m clipfinetune.profile") -> int:
 
 
 def add_recipe_arguments(parser) -> None:
-    parser.add_argument("paper", help="a recipe of recipes/: harmoclip | fsc_clip | goal | degla | mulclip")
+    parser.add_argument("paper", help="a recipe of recipes/: its file name without .yaml")
     parser.add_argument("--params", default="params.yaml", help="the params file to write (default: params.yaml)")
     parser.add_argument("--base", default=None, help="the commit whose params.yaml the recipe is applied over "
                                                       "(default: HEAD, or the newest with the sample world's)")

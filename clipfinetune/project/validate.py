@@ -1,6 +1,6 @@
 """Check a params file before anything runs: every configured path, weight and endpoint.
 
-    python -m clipfinetune.validate [--params params.yaml] [--root .] [--timeout 5]
+    python -m clipfinetune.project.validate [--params params.yaml] [--root .] [--timeout 5]
 
 Names everything missing (one line each: the param key, what was expected, where) and exits 1 if anything is;
 notes (e.g. a CPU fallback in use, open_clip weights not cached yet) do not fail. Paths that a pipeline stage
@@ -198,7 +198,9 @@ def _runs_stage(params: dict):
 
 
 def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | None = None,
-          leakage_check: bool = True) -> list[Finding]:
+          leakage_check: bool = True, asks_llm: bool = True) -> list[Finding]:
+    """Every finding of `params` under `root`. `asks_llm` False: the negatives stage will not run (its table is up
+    to date), so its LLM endpoint or vLLM package is not checked."""
     root = Path(root)
     produced = produced_paths(root) if produced is None else produced
     found: list[Finding] = []
@@ -220,7 +222,7 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     elif runs("segments"):
         found.append(Finding("segments.sam_checkpoint", "empty: the CPU segmenter (scikit-image) is used", False))
 
-    backend = _get(params, "negatives.backend") if runs("negatives") else "rules"
+    backend = _get(params, "negatives.backend") if runs("negatives") and asks_llm else "rules"
     if backend == "server":
         found += check_endpoint(str(_get(params, "negatives.base_url")), str(_get(params, "negatives.model")), timeout)
     elif backend == "offline" and importlib.util.find_spec("vllm") is None:
@@ -293,7 +295,7 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clipfinetune.validate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m clipfinetune.project.validate", description=__doc__.splitlines()[0])
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--root", default=None, help="project root paths are relative to (default: the params file's folder)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for the endpoint check")
