@@ -101,8 +101,8 @@ def per_sample_ms(fn, items, reps: int = 3) -> float:
 def breakdown(model, samples, shards) -> list[tuple[str, float | None, float | None]]:
     """(step, ms per sample before, ms per sample after) of one sample's way through a loader worker; None: the
     step is the same on both sides (before) or not taken (after)."""
-    from torchvision.transforms import v2
     from torch.utils.data import default_collate
+    from torchvision.transforms import v2
 
     from clipfinetune.data.loader import UnitTable
     from clipfinetune.io import read_image

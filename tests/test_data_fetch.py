@@ -28,7 +28,7 @@ from fixtures import real_tree
 from fixtures.data_server import UNUSED, mini_manifest, mirror_of, serve
 from fixtures.project import committed, copy_project, run
 
-from clipfinetune import profile
+from clipfinetune.project import profile
 from clipfinetune.project import data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,7 +252,7 @@ def test_the_command_reports_a_failure_by_dataset_and_url_and_fetches_the_rest(w
 
 # ------------------------------------------------------------------------------------------------ the plan
 def test_the_plans_missing_inputs_are_grouped_by_dataset_with_the_command_that_fetches_them(tmp_path):
-    from clipfinetune import plan
+    from clipfinetune.project import plan
 
     params = profile.layered(yaml.safe_load(committed("params.yaml")), profile.load_plain(ROOT / "params.real.yaml"),
                              profile.load_plain(ROOT / "recipes" / f"{PAPER}.yaml"))

@@ -608,7 +608,7 @@ def layout_table(path=MANIFEST) -> str:
 
 # ------------------------------------------------------------------------------------------------ command line
 def params_for(paper: str | None, root: Path, params_file: Path) -> dict:
-    from clipfinetune import profile
+    from clipfinetune.project import profile
 
     if not paper:
         return profile.load_plain(params_file) if params_file.is_file() else {}
@@ -670,7 +670,7 @@ def main(argv=None) -> int:
 
 
 def profile_recipes(root: Path) -> dict:
-    from clipfinetune import profile
+    from clipfinetune.project import profile
 
     return profile.recipes(root)
 
