@@ -1,8 +1,8 @@
 """`clipfinetune data [<paper>] [--fetch]`: the real data a configuration reads, by dataset, and its download.
 
     clipfinetune data                 the applied params.yaml
-    clipfinetune data goal            params.yaml + params.real.yaml + recipes/goal.yaml (what `recipe goal` writes)
-    clipfinetune data goal --fetch    download, verify and unpack what can be downloaded
+    clipfinetune data <paper>         params.yaml + params.real.yaml + recipes/<paper>.yaml (what `recipe` writes)
+    clipfinetune data <paper> --fetch download, verify and unpack what can be downloaded
     clipfinetune data --check         also parse every annotation file with the project's readers (slower)
 
 The datasets come from one manifest, clipfinetune/project/datasets.yaml (source pages, licenses, sizes, counts,
