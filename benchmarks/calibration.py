@@ -3,10 +3,11 @@
 
 A figure: {"device": the device's name as the run saw it ("NVIDIA H200", "cpu"), "what": train_step | segments |
 eval_images | lism_crops | word_regions | sentences, "arch", "method" (where they apply), "value", "unit", "per"
-(GPU | process), "settings" (what was measured), "source" (the command, the machine, the date)}. `record()` replaces
-the figures of the same (device, what, arch, method) and keeps the others: `python -m benchmarks --gpu` records its
-step table and its SAM, eval and LISM rows on the card it ran on, `python -m benchmarks --scale` its CPU data
-stages at fraction 1.
+(GPU | process), "settings" (what was measured), "source" (the command, the machine, the date), "batch" (the
+per-rank batch of a step figure: `train_step`, and `train_step_compiled` under torch.compile)}. `record()` replaces
+the figures of the same (device, what, arch, method, batch) and keeps the others: `python -m benchmarks --gpu` and
+`python -m benchmarks.acceptance` record their step tables (and `--gpu` its SAM, eval and LISM rows) on the card they
+ran on, `python -m benchmarks --scale` its CPU data stages at fraction 1.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import platform
 from pathlib import Path
 
 PATH = Path(__file__).resolve().parent / "calibration.json"
-KEY = ("device", "what", "arch", "method")
+KEY = ("device", "what", "arch", "method", "batch")   # a figure without `batch`: ""
 
 
 def record(figures: list[dict], path: Path = PATH) -> None:
