@@ -197,8 +197,8 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     params = StageParams("lism", {
         "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
         "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
-                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8,
-                 "workers": 1}})
+                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
+    monkeypatch.setenv("CLIPFINETUNE_LISM_WORKERS", "1")          # the host's count: one DataLoader worker
     monkeypatch.setattr(sys.modules["_common"], "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism@docci"])
     stage.main()
