@@ -1,19 +1,28 @@
 """`python -m benchmarks.acceptance`: the GPU acceptance run. One command, one table, at most 8 minutes on one
-H100/H200; on a machine without CUDA the same parts at a tiny size (`--tiny`, what CI runs), saying so.
+H100/H200, and on a GPU a second one for the compiled step table (`--parts compiled`); on a machine without CUDA
+every part in one command at a tiny size (`--tiny`, what CI runs), saying so.
 
-Parts, in order, each catching its own errors and writing its rows as it finishes (a lease may end mid-run):
+Parts, in order, each catching its own errors and writing its rows as it finishes (a run stopped mid-way keeps them):
 1. env: the device, the packages each part needs (`NEEDS`) and what is missing.
 2. the miniature real profile (tests/fixtures/real_tree.py's tree, params.real.yaml applied with
    `clipfinetune.profile`, compute shrunk by `overrides`): `dvc repro shards` on cuda, SAM vit_b with random weights
    (thresholds 0, so random masks still give segments), LISM, a fake OpenAI-compatible server for the negatives.
-3. `benchmarks --gpu`'s step table: every method's `Trainer.train_step` (ViT-B-16 random init, 224 px, bf16, batch
-   128) on a batch its `make_example` builds from part 2's shards (every annotation is there), a bf16 GEMM's rate.
+3. the step table: every method's `Trainer.train_step` (ViT-B-16 random init, 224 px, bf16) at per-rank batch 128
+   and 2 on a batch its `make_example` builds from part 2's shards (every annotation is there), against a bf16
+   GEMM's rate; the figures as calibration rows (`<out>/calibration.json`, and benchmarks/calibration.json on a GPU).
 4. `benchmarks --gpu`'s other rows (`gpu.extra_rows`): Trainer.fit against open_clip_train end to end, loader
    against step, eval images/s, SAM s/image, LISM crops/s.
 5. each recipe's DAG (`recipes/<paper>.yaml` applied after params.real.yaml in its own copy, `dvc repro`, every
-   stage): its wall time, the stages it ran, the device each stage recorded, one metrics file per run.
+   stage; one DVC cache, so a stage another copy ran with the same inputs is restored from DVC's run cache): its
+   wall time, the stages it ran, the slowest, the device each stage recorded, one metrics file per run.
+6. `compiled`: every method's step at batch 128 under `train.compile: true` beside its eager twin: the speed-up, the
+   warm-up (compilation included) and the steps after which it pays.
+Every child process gets this process's PYTHONPATH after the repository (`common.pythonpath`), so packages installed
+into folders on PYTHONPATH (`pip install --target`) are found by the trainer, open_clip_train, dvc and its stages.
+No part is started to be killed by the budget: it starts only with its reserve (`step_reserve`, `dag_reserve`)
+left, else its rows are SKIP naming the `--parts` that runs it alone.
 On a GPU a row whose peak GPU memory stays under `SILENT_GB` ran on the CPU without saying so: its status is
-"CPU!" (GPU.md: a Trainer built without a process group silently uses the CPU). On the CPU nothing is a GPU figure:
+"CPU!" (a Trainer built without a process group uses the CPU, and says nothing). On the CPU nothing is a GPU figure:
 the table's title says so. The table goes to stdout and `<out>/acceptance.md`, every row to `<out>/rows.jsonl` as it
 comes; scratch under benchmarks/_work/acceptance/. Exit 1 if a row failed. How to carry what a GPU machine lacks:
 benchmarks/README.md.
@@ -489,14 +498,14 @@ def step_row(report: Report, name: str, suffix: str, batch: int, compiled: bool,
         base = eager[(name, batch)]
         pays = gpu.compile_pays_after(base, row)
         note += (f"; eager {base['ms_per_step']:.1f} ms ({base['ms_per_step'] / row['ms_per_step']:.2f}x); "
-                 f"warm-up {row['warmup_s']:.1f} s (eager {base['warmup_s']:.1f} s): pays after "
-                 + (f"{pays:.0f} steps" if pays != float("inf") else "never (no faster)"))
+                 f"warm-up {row['warmup_s']:.1f} s (eager {base['warmup_s']:.1f} s): "
+                 + (f"pays after {pays:.0f} steps" if pays != float("inf") else "never pays (no faster)"))
     elif not compiled:
         eager[(name, batch)] = row
     report.add("steps", row_name, row["ms_per_step"], "ms", device=row["device"],
                peak_gb=row["peak_gb"] if cuda else None, status=gpu_status(size["device"], row["peak_gb"]),
                note=note + f" (batch {batch}, {size['precision']}" + (f", {size['backend']}" if compiled else "")
-               + ")", **{k: v for k, v in row.items() if k not in ("method", "device")})
+               + ")", **{k: v for k, v in row.items() if k not in ("method", "device", "peak_gb")})
 
 
 def built_tiny_model(work: Path) -> Path:

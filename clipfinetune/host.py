@@ -32,18 +32,19 @@ def ranks_on_host() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
-def default_count() -> int:
-    """Cores per rank on this host, at least 1, at most CAP."""
-    return max(1, min(CAP, cores() // ranks_on_host()))
+def default_count(ranks: int | None = None) -> int:
+    """Cores per rank on this host (`ranks` on it, default `ranks_on_host()`), at least 1, at most CAP."""
+    return max(1, min(CAP, cores() // max(1, ranks or ranks_on_host())))
 
 
-def count(kind: str) -> int:
-    """The count of `kind` (a key of VARIABLES) for this rank: its environment variable where set, else
-    `default_count()`. A value that is no whole number >= 0 fails naming the variable."""
+def count(kind: str, ranks: int | None = None) -> int:
+    """The count of `kind` (a key of VARIABLES) for a rank: its environment variable where set, else
+    `default_count(ranks)` (`ranks`: a planned number of ranks on this host; default: this process's).
+    A value that is no whole number >= 0 fails naming the variable."""
     name = VARIABLES[kind]
     value = os.environ.get(name, "").strip()
     if not value:
-        return default_count()
+        return default_count(ranks)
     try:
         n = int(value)
     except ValueError:

@@ -35,6 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from clipfinetune import compute as rules
+from clipfinetune import host
 from clipfinetune.runs import batch_param, resolve_runs
 
 CALIBRATION = Path("benchmarks") / "calibration.json"      # relative to the project root
@@ -467,7 +468,7 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
             from clipfinetune.methods import get_method
 
             coverage = epoch_coverage(shards_dir, get_method(method)(**run["config"]), global_batch=global_batch,
-                                      world_size=row.ranks, num_workers=int(train.get("workers", 0)),
+                                      world_size=row.ranks, num_workers=host.count("train", row.ranks),
                                       epoch_unit=train.get("epoch_unit", "image"),
                                       epoch_samples=int(train.get("epoch_samples", 0) or 0), accum_steps=accum)
         except Exception as e:  # noqa: BLE001  shards of another configuration: the estimate below, said so
@@ -478,8 +479,9 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
         if row.seen < row.units or row.repeated:
             refusals.append(Refusal(st.name, "shards.maxcount",
                                     f"an epoch sees {row.seen:,} of {row.units:,} units and repeats {row.repeated:,} "
-                                    f"at {row.ranks} ranks x {train.get('workers', 0)} workers",
-                                    ["a smaller shards.maxcount (more shards per reader)", "fewer train.workers"]))
+                                    f"at {row.ranks} ranks x {host.count('train', row.ranks)} workers",
+                                    ["a smaller shards.maxcount (more shards per reader)",
+                                     "fewer loader workers (CLIPFINETUNE_WORKERS, docs/scale.md)"]))
     else:
         units = _estimated_units(params, run, records, root)
         if units is not None:

@@ -1,8 +1,8 @@
 """The GPU acceptance run's bookkeeping (benchmarks/acceptance.py), without running it: a row meant for a GPU that
-left the GPU's memory untouched is flagged, not passed; rows reach the disk as they come (a lease can end mid-run);
-a part's exception becomes an ERROR row and the run goes on; the recipes' training is shrunk at every level; every
-child process (benchmarks.common.run's, and a stage under the acceptance's `dvc repro`) imports what only the
-parent's PYTHONPATH reaches (a GPU machine's packages installed with `pip install --target`).
+left the GPU's memory untouched is flagged, not passed; rows reach the disk as they come (a run stopped mid-way
+keeps them); a part's exception becomes an ERROR row and the run goes on; the recipes' training is shrunk at every
+level; every child process (benchmarks.common.run's, and a stage under the acceptance's `dvc repro`) imports what
+only the parent's PYTHONPATH reaches (a GPU machine's packages installed with `pip install --target`).
 The run itself (CPU, tiny size) is tests/scale/test_acceptance.py."""
 from __future__ import annotations
 

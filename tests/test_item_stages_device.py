@@ -1,6 +1,6 @@
 """The item stages (segments, lism, eval) put their model on cuda:LOCAL_RANK when CUDA is reported present and
 `compute.device` is auto, and record that device in their outputs' metadata (issue 32). CUDA is mocked: the model
-loaders are replaced by recorders that return a CPU model, so the stages run through on this machine."""
+loaders are replaced by recorders that return a CPU model, so the stages run through on a CPU-only host."""
 from __future__ import annotations
 
 import json

@@ -357,7 +357,7 @@ def test_the_global_image_winning_links_the_original_as_the_local_item(tmp_path)
 
 
 def test_a_killed_rank_leaves_no_worker_or_writer_process_behind(tmp_path):
-    """SIGKILL of a rank mid-run (a lease's end, the OOM killer): its DataLoader workers and test-list writer
+    """SIGKILL of a rank mid-run (a machine taken back, the OOM killer): its DataLoader workers and test-list writer
     processes end by themselves instead of waiting for work forever."""
     import os
     import signal
