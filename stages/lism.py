@@ -6,13 +6,12 @@ with its images), and metrics/lism.json: on the sample world, where the generato
 sentence describes, LISM's accuracy against that ground truth; on real data (`lism.ground_truth: ""`) the pair
 counts only. It never reads the instances files; the ground truth is read only to measure.
 
-The model runs on the device of `compute.device` (stages/_items.py; recorded in local_pairs.meta.json). The
-images (by id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units (images decoded
-and crops cut in DataLoader workers, as many as the host offers a rank: clipfinetune/host.py) and writes one part
-file per unit under data/cache/lism/<fingerprint>/, with the unit's test images' files of GOAL's test list (the original linked, the
-chosen crop as a PNG) beside it; rank 0 assembles them in image order, links the files into the test list's folder
-and writes every output, so a sharded run writes exactly what one process writes, and a killed run resumes from
-its parts.
+The model runs on the device of `compute.device` (stages/_items.py; recorded in local_pairs.meta.json). The images (by
+id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units (images decoded and crops cut
+in DataLoader workers, as many as the host offers a rank: clipfinetune/host.py) and writes one part file per unit
+under data/cache/lism/<fingerprint>/, with the unit's test images' files of GOAL's test list (the original linked, the
+chosen crop as a PNG) beside it; rank 0 assembles them in image order, links the files into the test list's folder and
+writes every output, so a sharded run writes exactly what one process writes, and a killed run resumes from its parts.
 """
 from __future__ import annotations
 
