@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-# torch/torchvision: this machine carries 2.14.1/0.29.1 on local disk; override on other machines.
+# torch/torchvision: the versions the tests run with; TORCH_SPEC=... installs others.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
@@ -56,12 +56,18 @@ test-scale: setup
 bench: setup
 	source $(BIN)/activate && python -m benchmarks
 
-# The GPU acceptance run (benchmarks/acceptance.py): one table, <= 8 min on one H100/H200; without CUDA it is the CPU
-# rehearsal. On a GPU lease run `python3 -m benchmarks.acceptance` itself (no venv there: benchmarks/README.md).
+# The GPU acceptance run (benchmarks/acceptance.py): one table, <= 8 min on one H100/H200, then on a GPU its compiled
+# step table (a second command, ~1 min per method); without CUDA it is the CPU rehearsal (all parts in one command).
+# NO_VENV=1: python3 as it is, no virtualenv: a GPU machine without access to a package index, its packages
+# installed from copied wheels into folders on PYTHONPATH (benchmarks/README.md).
 # acceptance-tiny: that rehearsal at the tiny size, what tests/scale/test_acceptance.py (make test-scale) runs.
 .PHONY: acceptance acceptance-tiny
-acceptance: setup
-	source $(BIN)/activate && python -m benchmarks.acceptance
+ACCEPTANCE_PY := $(if $(NO_VENV),python3,source $(BIN)/activate && python)
+acceptance: $(if $(NO_VENV),,setup)
+	$(ACCEPTANCE_PY) -m benchmarks.acceptance; first=$$?; \
+	if $(ACCEPTANCE_PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(ACCEPTANCE_PY) -m benchmarks.acceptance --parts compiled --out benchmarks/_work/acceptance/compiled || exit 1; \
+	fi; exit $$first
 
 acceptance-tiny: setup
 	source $(BIN)/activate && python -m benchmarks.acceptance --tiny

@@ -1,19 +1,28 @@
 """`python -m benchmarks.acceptance`: the GPU acceptance run. One command, one table, at most 8 minutes on one
-H100/H200; on a machine without CUDA the same parts at a tiny size (`--tiny`, what CI runs), saying so.
+H100/H200, and on a GPU a second one for the compiled step table (`--parts compiled`); on a machine without CUDA
+every part in one command at a tiny size (`--tiny`, what CI runs), saying so.
 
-Parts, in order, each catching its own errors and writing its rows as it finishes (a lease may end mid-run):
+Parts, in order, each catching its own errors and writing its rows as it finishes (a run stopped mid-way keeps them):
 1. env: the device, the packages each part needs (`NEEDS`) and what is missing.
 2. the miniature real profile (tests/fixtures/real_tree.py's tree, params.real.yaml applied with
    `clipfinetune.project.profile`, compute shrunk by `overrides`): `dvc repro shards` on cuda, SAM vit_b with random weights
    (thresholds 0, so random masks still give segments), LISM, a fake OpenAI-compatible server for the negatives.
-3. `benchmarks --gpu`'s step table: every method's `Trainer.train_step` (ViT-B-16 random init, 224 px, bf16, batch
-   128) on a batch its `make_example` builds from part 2's shards (every annotation is there), a bf16 GEMM's rate.
+3. the step table: every method's `Trainer.train_step` (ViT-B-16 random init, 224 px, bf16) at per-rank batch 128
+   and 2 on a batch its `make_example` builds from part 2's shards (every annotation is there), against a bf16
+   GEMM's rate; the figures as calibration rows (`<out>/calibration.json`, and benchmarks/calibration.json on a GPU).
 4. `benchmarks --gpu`'s other rows (`gpu.extra_rows`): Trainer.fit against open_clip_train end to end, loader
    against step, eval images/s, SAM s/image, LISM crops/s.
 5. each recipe's DAG (`recipes/<paper>.yaml` applied after params.real.yaml in its own copy, `dvc repro`, every
-   stage): its wall time, the stages it ran, the device each stage recorded, one metrics file per run.
+   stage; one DVC cache, so a stage another copy ran with the same inputs is restored from DVC's run cache): its
+   wall time, the stages it ran, the slowest, the device each stage recorded, one metrics file per run.
+6. `compiled`: every method's step at batch 128 under `train.compile: true` beside its eager twin: the speed-up, the
+   warm-up (compilation included) and the steps after which it pays.
+Every child process gets this process's PYTHONPATH after the repository (`common.pythonpath`), so packages installed
+into folders on PYTHONPATH (`pip install --target`) are found by the trainer, open_clip_train, dvc and its stages.
+No part is started to be killed by the budget: it starts only with its reserve (`step_reserve`, `dag_reserve`)
+left, else its rows are SKIP naming the `--parts` that runs it alone.
 On a GPU a row whose peak GPU memory stays under `SILENT_GB` ran on the CPU without saying so: its status is
-"CPU!" (a Trainer built without a process group silently uses the CPU). On the CPU nothing is a GPU figure:
+"CPU!" (a Trainer built without a process group uses the CPU, and says nothing). On the CPU nothing is a GPU figure:
 the table's title says so. The table goes to stdout and `<out>/acceptance.md`, every row to `<out>/rows.jsonl` as it
 comes; scratch under benchmarks/_work/acceptance/. Exit 1 if a row failed. How to carry what a GPU machine lacks:
 benchmarks/README.md.
@@ -35,9 +44,10 @@ import time
 import traceback
 from pathlib import Path
 
-from .common import ROOT, WORK
+from .common import ROOT, WORK, pythonpath
 
 RECIPES = ("harmoclip", "fsc_clip", "goal", "degla", "mulclip")
+PARTS = ("steps", "rows", "dags", "compiled")
 SILENT_GB = 0.05               # peak GPU memory below this on a GPU: the work ran on the CPU
 # what each part imports beyond torch/numpy/pandas/PIL (the GPU image has those; see benchmarks/README.md)
 NEEDS = {
@@ -47,10 +57,17 @@ NEEDS = {
             "pyinflect", "ruamel.yaml", "aiohttp", "skimage"],
 }
 SIZES = {   # the GPU run and CI's CPU rehearsal; rows' sizes are gpu.SIZES
-    "gpu": {"device": "cuda:0", "arch": None, "batch": 128, "precision": "bf16", "warmup": 2, "steps": 6,
-            "jobs": 5, "budget": 480, "sam": True, "workers": 2},
-    "tiny": {"device": "cpu", "arch": "cft-tiny-vit", "batch": 4, "precision": "fp32", "warmup": 1, "steps": 2,
-             "jobs": 2, "budget": 3600, "sam": False, "workers": 0},
+    # backend: torch.compile's for the compiled step rows (the CPU rehearsal checks the path, not the kernels);
+    # step_reserve: seconds a step row may take at most (compilation included): a row starts only with that much left
+    "gpu": {"device": "cuda:0", "arch": None, "batch": 128, "latency_batch": 2, "precision": "bf16", "warmup": 2,
+            "steps": 6, "backend": "inductor", "step_reserve": 60, "dag_reserve": 240, "jobs": 5, "budget": 480,
+            "parts": "steps,rows,dags", "sam": True,
+            "sam_points": 8, "workers": 2},
+    "tiny": {"device": "cpu", "arch": "cft-tiny-vit", "batch": 4, "latency_batch": 2, "precision": "fp32",
+             "warmup": 1, "steps": 2, "backend": "aot_eager", "step_reserve": 20, "dag_reserve": 600, "jobs": 2,
+             "budget": 3600,
+             "parts": ",".join(PARTS),
+             "sam": False, "sam_points": 8, "workers": 0},
 }
 CODE = ["stages", "clipfinetune", "recipes", "dvc.yaml", "params.yaml", "params.real.yaml", ".dvc/config",
         ".dvcignore"]
@@ -175,10 +192,24 @@ def missing(part: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- the miniature projects
+HOST_COUNTS: dict[str, str] = {}      # clipfinetune/host.py's variables for the DAGs' stages: `host_counts`
+
+
+def host_counts(size: dict) -> dict[str, str]:
+    """The stages' worker and thread counts (clipfinetune/host.py's environment variables): `workers` loader, eval
+    and LISM workers and, with the DAGs side by side, one eval thread each on the CPU, two on a GPU's host."""
+    from clipfinetune.host import VARIABLES
+
+    return {VARIABLES["train"]: str(size["workers"]), VARIABLES["eval"]: str(size["workers"]),
+            VARIABLES["lism"]: str(size["workers"]), VARIABLES["eval_threads"]: "2" if size["sam"] else "1"}
+
+
 @functools.cache
 def subprocess_env(bin_dir: Path) -> dict:
     """Stages run as `python stages/<name>.py` (dvc.yaml): `python` is this interpreter (a script in `bin_dir`, first
-    on PATH), whatever PATH holds."""
+    on PATH), whatever PATH holds. PYTHONPATH: the repository, then every folder this process's PYTHONPATH names, so
+    every child (dvc, its stages, their ranks and workers) imports from the same place as this process, packages
+    installed into folders on PYTHONPATH included (`common.pythonpath`)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     # a script, not a link (a venv's python finds its packages by its own path); written beside and renamed over,
     # so an earlier link there is replaced, never written through
@@ -187,24 +218,45 @@ def subprocess_env(bin_dir: Path) -> dict:
     tmp.chmod(0o755)
     os.replace(tmp, bin_dir / "python")
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "DVC_NO_ANALYTICS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": pythonpath(ROOT), **HOST_COUNTS}
     for k in ("DVC_STAGE", "DVC_ROOT"):
         env.pop(k, None)
     return env
 
 
-def run_cmd(cwd: Path, cmd: list[str], timeout: float) -> tuple[int, str]:
-    """(returncode, output) of `cmd` in the project `cwd`; on timeout the command's whole process group is killed
-    and -9 returned."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(cwd.parent / "bin"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def run_cmd(cwd: Path, cmd: list[str], timeout: float) -> tuple[int, str, list[tuple[float, str]]]:
+    """(returncode, output, [(seconds since the start, line)]) of `cmd` in the project `cwd`, every line timed as it
+    comes; on timeout the command's whole process group is killed and -9 returned."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(cwd.parent / "bin"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    t0, lines = time.perf_counter(), []
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - t0, line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=max(timeout, 1))
-        return proc.returncode, out
+        proc.wait(timeout=max(timeout, 1))
+        code, note = proc.returncode, ""
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return -9, (out or "") + f"\n[acceptance] killed after {timeout:.0f} s (time budget)"
+        proc.wait()
+        code, note = -9, f"\n[acceptance] killed after {timeout:.0f} s (time budget)"
+    reader.join()
+    return code, "".join(line for _, line in lines) + note, lines
+
+
+def stage_seconds(lines: list[tuple[float, str]], end: float) -> dict[str, float]:
+    """{stage: seconds from its 'Running stage' line to the next one (the last: to `end`)} of a `dvc repro` log;
+    a stage restored from the run cache shows as the seconds of its restore."""
+    import re
+
+    found = ((t, re.search(r"Running stage '([^']+)'|Stage '([^']+)' is cached", line)) for t, line in lines)
+    starts = [(t, m.group(1) or m.group(2)) for t, m in found if m]
+    return {name: round((starts[i + 1][0] if i + 1 < len(starts) else end) - t, 1)
+            for i, (t, name) in enumerate(starts)}
 
 
 def build_datasets(root: Path, size: dict, archs: set[str]) -> dict:
@@ -235,24 +287,25 @@ def build_datasets(root: Path, size: dict, archs: set[str]) -> dict:
 
 def overrides(size: dict, weights: Path, sam, base_url: str) -> dict:
     """The compute a miniature tree needs (paths and layouts stay the profile's): tests/scale/test_real_profile_dag's
-    CPU overrides, with SAM vit_b (random weights, thresholds 0) and loader workers on a GPU, and no GPU kept for
-    the LLM server (a stand-in on the CPU)."""
+    CPU overrides, with SAM vit_b on a GPU (random weights, thresholds 0), and no GPU kept for the LLM server (a
+    stand-in on the CPU). Worker and thread counts are no params: `host_counts`."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures.project import TINY
 
     rel = os.path.relpath(weights, weights.parents[2])            # datasets/weights/<name>, as the profile names it
+    # SAM's prompt grid sized down (the rows time it at 32 x 32): with thresholds 0 every point's masks are kept
     segments = {"sam_checkpoint": os.path.relpath(sam, sam.parents[2]), "sam_type": "vit_b", "pred_iou_thresh": 0.0,
-                "stability_score_thresh": 0.0} if sam else {"sam_checkpoint": ""}
+                "stability_score_thresh": 0.0, "points_per_side": size["sam_points"]} if sam else {"sam_checkpoint": ""}
     return {"sample": TINY["sample"], "model": {"pretrained": f"local-dir:{rel}"},
-            "lism": {"model": rel, "pretrained": "", "batch_size": 32, "workers": size["workers"]},
+            "lism": {"model": rel, "pretrained": "", "batch_size": 32},
             "segments": segments,
             "negatives": {"concurrency": 2, "timeout": 20, "max_retries": 1, "backoff": 0.1, "base_url": base_url},
             "shards": {"maxcount": 4},
-            "eval": {"batch_size": 64, "threads": 0 if size["sam"] else 1, "workers": size["workers"]},
+            "eval": {"batch_size": 64},
             "compute": {"llm_gpus": 0}}        # the stand-in LLM server holds no GPU (DeGLA's recipe keeps one)
 
 
-SHRINK = {"epochs": 1, "batch_size": 2, "warmup": 1, "workers": 0, "checkpoint_every": 0, "epoch_samples": 0}
+SHRINK = {"epochs": 1, "batch_size": 2, "warmup": 1, "checkpoint_every": 0, "epoch_samples": 0}
 
 
 def shrink_train(train) -> None:
@@ -279,7 +332,10 @@ def make_project(dst: Path, datasets: Path, profiles: list[str], size: dict, bui
         else:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
-    (dst / ".dvc" / "config.local").write_text("[core]\n    no_scm = true\n")
+    # one DVC cache for every copy: a stage another copy already ran with the same command, deps and params is
+    # restored from DVC's run cache instead of run again (the recipes' DAGs share the base DAG's data stages)
+    cache = dst.parent / "dvc-cache"
+    (dst / ".dvc" / "config.local").write_text(f"[core]\n    no_scm = true\n[cache]\n    dir = {cache}\n")
     for folder in ("data/prepared", "data/evalsets", "data/plan"):
         (dst / folder).mkdir(parents=True, exist_ok=True)
     (dst / "datasets").symlink_to(datasets, target_is_directory=True)
@@ -314,20 +370,25 @@ def dag(report: Report, part: str, project: Path, target: list[str], size: dict,
 
     t0 = time.perf_counter()
     with GpuMemory() as mem:
-        rc, out = run_cmd(project, [sys.executable, "-m", "dvc", "repro", *target], budget.left())
+        rc, out, lines = run_cmd(project, [sys.executable, "-m", "dvc", "repro", *target], budget.left())
     seconds = time.perf_counter() - t0
     (report.out / f"{part.replace(' ', '_')}.log").write_text(out)
     ran = re.findall(r"Running stage '([^']+)'", out)
+    restored = re.findall(r"Stage '([^']+)' is cached - skipping run, checking out outputs", out)
+    per_stage = stage_seconds(lines, seconds)
+    slowest = sorted(per_stage.items(), key=lambda kv: -kv[1])[:3]
     devices = stage_devices(project)
     wrong = sorted(k for k, v in devices.items() if not str(v).startswith(size["device"].split(":")[0]))
-    note = f"{len(ran)} stages; devices {sorted(set(devices.values()))}" + (f"; not on {size['device']}: {wrong}"
-                                                                           if wrong else "")
+    note = (f"{len(ran)} stages ({len(restored)} from the run cache), slowest "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in slowest) + f"; devices {sorted(set(devices.values()))}"
+            + (f"; not on {size['device']}: {wrong}" if wrong else ""))
     if rc:
         note = f"dvc repro exit {rc}: {out.strip().splitlines()[-1][:200] if out.strip() else ''}; " + note
     report.add(part, "dvc repro " + " ".join(target) if target else "dvc repro", round(seconds, 1), "s",
                status=gpu_status(size["device"], mem.peak_gb if mem.cuda else None, rc == 0 and not wrong)
                if size["device"].startswith("cuda") else ("PASS" if rc == 0 and not wrong else "FAIL"),
-               device=size["device"], peak_gb=mem.peak_gb if mem.cuda else None, note=note, ran=ran, devices=devices)
+               device=size["device"], peak_gb=mem.peak_gb if mem.cuda else None, note=note, ran=ran, devices=devices,
+               restored=restored, stage_seconds=per_stage)
     return rc == 0
 
 
@@ -343,36 +404,108 @@ def recipe_dag(report: Report, name: str, work: Path, built: dict, size: dict, b
                    status="FAIL" if lacking else "PASS", note=f"missing {lacking}" if lacking else ", ".join(runs))
 
 
+def recipe_dags(report: Report, recipes: list[str], work: Path, built: dict, size: dict, base_url: str,
+                budget: Budget) -> None:
+    """Every recipe's DAG, `jobs` side by side, started only with `dag_reserve` seconds of the budget left (a DAG
+    is never started to be killed half-way)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if budget.left() < size["dag_reserve"]:
+        for r in recipes:
+            report.add(f"dag {r}", "dvc repro", status="SKIP", note=f"not started: {max(budget.left(), 0):.0f} s of "
+                       f"the budget left, the DAGs take up to {size['dag_reserve']} s; `--parts dags` runs them alone")
+        return
+    with ThreadPoolExecutor(max(1, size["jobs"])) as pool:
+        futures = [pool.submit(run_part, report, f"dag {r}", recipe_dag, report, r, work, built, size, base_url,
+                               budget) for r in recipes]
+        for f in futures:
+            f.result()
+
+
 # ---------------------------------------------------------------------------------------------------- the rows
-def steps(report: Report, shards: Path, params: dict, size: dict, budget: Budget, work: Path) -> None:
+GEMM_TFLOPS: dict = {}     # the card's bf16 GEMM rate, measured once per run
+STEP_VARIANTS = (   # (row suffix, batch: "batch" or "latency_batch" of SIZES, compiled), in the order they run
+    ("", "batch", False),                        # the step table of issue 32: every method, batch 128, eager
+    (" batch {batch}", "latency_batch", False),  # the latency floor of a rank's step at a small per-rank batch
+    (" compiled", "batch", True),                # the Trainer's `compile: true`, its warm-up counted
+)
+
+
+def steps(report: Report, shards: Path, params: dict, size: dict, budget: Budget, work: Path,
+          variants=STEP_VARIANTS, eager: dict | None = None) -> None:
+    """Every method's step, eager at `batch` and `latency_batch` and compiled at `batch`, with its share of the card's
+    bf16 GEMM rate; a compiled row also gives its warm-up (compilation) and the steps after which it has paid for it.
+    The figures go to `<out>/calibration.json` (benchmarks/calibration.py's schema with `batch`) and, on a GPU, into
+    benchmarks/calibration.json. `eager`: {(method, batch): row} of the eager rows, filled here, read by compiled ones
+    (a later call's)."""
     import torch
 
-    from . import gpu
+    from . import calibration, gpu
     from .fig2_methods import METHODS, shard_samples
     from .fig5_real import real_model_dir
 
     cuda = size["device"].startswith("cuda")
-    if cuda:
-        peak = gpu.gemm_tflops()
+    peak = GEMM_TFLOPS.get("peak")
+    if cuda and peak is None:
+        peak = GEMM_TFLOPS["peak"] = gpu.gemm_tflops()
         report.add("steps", f"bf16 {gpu.GEMM_N}^3 GEMM", peak, "TFLOP/s", device=size["device"], status="info",
                    note=torch.cuda.get_device_name(0))
     model_dir = real_model_dir() if cuda else built_tiny_model(work)
     samples = shard_samples(shards) * size["batch"]       # a miniature tree: every wanted record, repeated
-    for name in METHODS:
-        if budget.left() < 20:
-            report.add("steps", f"step {name}", status="SKIP", note="time budget spent")
-            continue
-        row = run_part(report, f"steps {name}", gpu.method_step, name, model_dir, params,
-                       lambda m: print(m, file=sys.stderr, flush=True), device=size["device"], batch=size["batch"],
-                       precision=size["precision"], warmup=size["warmup"], steps=size["steps"], samples=samples)
-        if row:
-            note = f"{row['samples_per_s']:.0f} samples/s, {row['tflops']:.2f} TFLOP/s" + (
-                f", {row['tflops'] / peak:.0%} of the GEMM's rate" if cuda else "")
-            report.add("steps", f"step {name}", row["ms_per_step"], "ms", device=row["device"],
-                       peak_gb=row["peak_gb"] if cuda else None, status=gpu_status(size["device"], row["peak_gb"]),
-                       note=note + f" (batch {size['batch']}, {size['precision']})")
+    eager, figures = {} if eager is None else eager, []
+    for suffix, batch_key, compiled in variants:
+        batch = size[batch_key]
+        for name in METHODS:
+            if compiled and (name, batch) not in eager:     # its eager twin first, in the same process
+                step_row(report, name, "", batch, False, model_dir, params, size, budget, samples, peak, eager,
+                         figures)
+            step_row(report, name, suffix.format(batch=batch), batch, compiled, model_dir, params, size, budget,
+                     samples, peak, eager, figures)
+    if figures:
+        command = "python -m benchmarks.acceptance" + ("" if cuda else " --tiny")
+        found = gpu.step_figures(torch.cuda.get_device_name(0) if cuda else "cpu", figures, command)
+        calibration.record(found, report.out / "calibration.json")
         if cuda:
-            torch.cuda.empty_cache()
+            calibration.record(found)
+
+
+def step_row(report: Report, name: str, suffix: str, batch: int, compiled: bool, model_dir: Path, params: dict,
+             size: dict, budget: Budget, samples: list, peak: float | None, eager: dict, figures: list) -> None:
+    import torch
+
+    from . import gpu
+
+    cuda = size["device"].startswith("cuda")
+    row_name = f"step {name}{suffix}"
+    if budget.left() < size["step_reserve"]:
+        report.add("steps", row_name, status="SKIP", note=f"not started: {max(budget.left(), 0):.0f} s of the "
+                   f"budget left, a row may take {size['step_reserve']} s; `--parts "
+                   f"{'compiled' if compiled else 'steps'}` runs it alone")
+        return
+    row = run_part(report, f"steps {row_name}", gpu.method_step, name, model_dir, params,
+                   lambda m: print(m, file=sys.stderr, flush=True), device=size["device"], batch=batch,
+                   precision=size["precision"], warmup=size["warmup"], steps=size["steps"],
+                   samples=samples, compile_model=compiled, backend=size["backend"])
+    if cuda:
+        torch.cuda.empty_cache()
+    if not row:
+        return
+    row["arch"] = size["arch"] or "ViT-B-16"
+    figures.append(row)
+    share = f", {row['tflops'] / peak:.0%} of the GEMM's rate" if peak else ""
+    note = f"{row['samples_per_s']:.0f} samples/s, {row['tflops']:.2f} TFLOP/s{share}"
+    if compiled and (name, batch) in eager:
+        base = eager[(name, batch)]
+        pays = gpu.compile_pays_after(base, row)
+        note += (f"; eager {base['ms_per_step']:.1f} ms ({base['ms_per_step'] / row['ms_per_step']:.2f}x); "
+                 f"warm-up {row['warmup_s']:.1f} s (eager {base['warmup_s']:.1f} s): "
+                 + (f"pays after {pays:.0f} steps" if pays != float("inf") else "never pays (no faster)"))
+    elif not compiled:
+        eager[(name, batch)] = row
+    report.add("steps", row_name, row["ms_per_step"], "ms", device=row["device"],
+               peak_gb=row["peak_gb"] if cuda else None, status=gpu_status(size["device"], row["peak_gb"]),
+               note=note + f" (batch {batch}, {size['precision']}" + (f", {size['backend']}" if compiled else "")
+               + ")", **{k: v for k, v in row.items() if k not in ("method", "device", "peak_gb")})
 
 
 def built_tiny_model(work: Path) -> Path:
@@ -446,6 +579,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, help="seconds for the whole run (default: 480 on a GPU, 3600 tiny)")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipes whose DAG runs")
     ap.add_argument("--jobs", type=int, help="recipe DAGs run side by side (default: 5 on a GPU, 2 tiny)")
+    ap.add_argument("--parts", help="comma-separated parts to run, of " + ", ".join(PARTS) + " (default: all but "
+                    "compiled on a GPU, its second command; all at the tiny size); the miniature tree and its base DAG "
+                    "run for any but rows")
     a = ap.parse_args(argv)
     import torch
 
@@ -453,6 +589,7 @@ def main(argv=None) -> int:
     size = dict(SIZES["tiny" if a.tiny or not cuda else "gpu"])
     size["jobs"] = a.jobs or size["jobs"]
     budget = Budget(a.budget or size["budget"])
+    HOST_COUNTS.update(host_counts(size))
     device = torch.cuda.get_device_name(0) if cuda else "no CUDA device"
     title = (f"GPU acceptance on {device}" if size["device"].startswith("cuda") else
              f"CPU rehearsal at the tiny size ({device}: NOT a GPU measurement)") + \
@@ -467,13 +604,17 @@ def main(argv=None) -> int:
                    status="FAIL" if lacking else "PASS", note=f"missing {lacking}" if lacking else "")
     work = Path(a.work).resolve()
     recipes = [r for r in a.recipes.split(",") if r]
+    parts = set((a.parts or size["parts"]).split(","))
+    if parts - set(PARTS):
+        raise SystemExit(f"--parts: unknown {sorted(parts - set(PARTS))}; the parts are {', '.join(PARTS)}")
     built, base_params, shards = None, None, None
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures import real_tree
     from fixtures.llm import openai_server, rewrite_reply
 
+    eager_steps: dict = {}
     with openai_server(rewrite_reply(real_tree.NOUNS, real_tree.ADJECTIVES)) as (base_url, _):
-        if not missing("dag"):
+        if not missing("dag") and parts & {"steps", "compiled", "dags"}:
             archs = set()
             if not size["arch"]:
                 from clipfinetune.project.profile import load
@@ -482,30 +623,33 @@ def main(argv=None) -> int:
             built = run_part(report, "dag setup", build_datasets, work / "tree", size, archs)
             if built:
                 base = work / "base"
+                if "dags" in parts:       # DAGs that run their stages, not an earlier run's; `compiled` alone reuses
+                    shutil.rmtree(work / "dvc-cache", ignore_errors=True)
                 base_params = run_part(report, "dag base", make_project, base, work / "tree" / "datasets",
                                        ["params.real.yaml"], size, built, base_url)
                 if base_params and run_part(report, "dag base", dag, report, "dag base", base, ["shards"], size,
                                             budget):
                     shards = base / "data" / "shards"
-        if shards is None and any((ROOT / "data" / "shards").glob("train-*.tar")):
-            from .common import load_params
-            shards, base_params = ROOT / "data" / "shards", load_params()
-            report.add("steps", "batches from", str(shards), note="the miniature DAG did not run: the sample shards")
-        if shards is None:
-            report.add("steps", "every method's step", status="SKIP", note="no shards: the base DAG did not run "
-                       "and data/shards holds none")
-        elif not missing("steps"):
-            run_part(report, "steps", steps, report, shards, base_params, size, budget, work)
-        if not missing("rows"):
+        if parts & {"steps", "compiled"}:
+            if shards is None and any((ROOT / "data" / "shards").glob("train-*.tar")):
+                from .common import load_params
+                shards, base_params = ROOT / "data" / "shards", load_params()
+                report.add("steps", "batches from", str(shards), note="the miniature DAG did not run: the sample "
+                           "shards")
+            if shards is None:
+                report.add("steps", "every method's step", status="SKIP", note="no shards: the base DAG did not run "
+                           "and data/shards holds none")
+        # eager steps and rows first, then the recipes' DAGs, then the compiled steps (the longest to warm up)
+        if shards is not None and "steps" in parts and not missing("steps"):
+            run_part(report, "steps", steps, report, shards, base_params, size, budget, work,
+                     [v for v in STEP_VARIANTS if not v[2]], eager_steps)
+        if "rows" in parts and not missing("rows"):
             run_part(report, "rows", rows, report, size, budget, work)
-        if not missing("dag") and built:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(max(1, size["jobs"])) as pool:
-                futures = [pool.submit(run_part, report, f"dag {r}", recipe_dag, report, r, work, built, size,
-                                       base_url, budget) for r in recipes]
-                for f in futures:
-                    f.result()
+        if "dags" in parts and not missing("dag") and built:
+            recipe_dags(report, recipes, work, built, size, base_url, budget)
+        if shards is not None and "compiled" in parts and not missing("steps"):
+            run_part(report, "steps", steps, report, shards, base_params, size, budget, work,
+                     [v for v in STEP_VARIANTS if v[2]], eager_steps)
     report.add("total", "wall time", round(time.perf_counter() - t_start, 1), "s",
                status="FAIL" if budget.left() < 0 else "PASS",
                note=f"budget {a.budget or size['budget']:.0f} s" + ("" if budget.left() >= 0 else ", exceeded"))

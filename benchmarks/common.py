@@ -13,7 +13,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "_work"
 SHARDS = ROOT / "data" / "shards"
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
+
+
+def pythonpath(*first: str | os.PathLike) -> str:
+    """`first`, then every entry of this process's PYTHONPATH (in order, each once): a child process given it imports
+    from the same place as its parent, packages installed with `pip install --target` into folders on PYTHONPATH
+    included (a GPU machine without a package index gets its packages that way: benchmarks/README.md)."""
+    entries = [str(p) for p in first] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
+
+
+def child_env(**extra: str) -> dict:
+    """The environment of a benchmark's child process: this one's, the repository first on PYTHONPATH, then every
+    folder the parent's PYTHONPATH names (never dropped), then `extra`."""
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": pythonpath(ROOT), **extra}
 
 
 @dataclass
@@ -60,8 +73,8 @@ def run(cmd: list[str], *, timeout: float = 900, cwd: Path = ROOT) -> tuple[int,
     """Run a command niced (by 19, or $BENCH_NICE when 19 would starve it); returns (returncode, output, wall s)."""
     full = ["nice", "-n", os.environ.get("BENCH_NICE", "19"), *cmd]
     t0 = time.perf_counter()
-    p = subprocess.run(full, check=False, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout)
+    p = subprocess.run(full, check=False, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=timeout)
     return p.returncode, p.stdout, time.perf_counter() - t0
 
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ENV, ROOT, Row
+from .common import ROOT, Row, child_env, pythonpath
 
 RAN = re.compile(r"Running stage '([^']+)'")
 # Reading PSS parses /proc/<pid>/smaps of every process. Polled every 0.5 s, the DAG took 25.4 min against
@@ -107,10 +107,11 @@ def figure(keep: bool = False, log=print) -> list[Row]:
     tmp = Path(tempfile.mkdtemp(prefix="cft-dag-"))
     try:
         n = copy_repo(tmp)
-        env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-               "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost",
-               "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@localhost"}
-        env.pop("PYTHONPATH", None)
+        env = child_env(PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                        GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost",
+                        GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@localhost")
+        # the copy's own code, not this checkout's; the parent's other PYTHONPATH folders (packages) stay
+        env["PYTHONPATH"] = os.pathsep.join(e for e in pythonpath().split(os.pathsep) if Path(e).resolve() != ROOT)
         for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench"]):
             subprocess.run(cmd, cwd=tmp, env=env, check=True)
         dvc = str(Path(sys.executable).parent / "dvc")

@@ -20,8 +20,8 @@ JPEGs with COCO-length captions, fig5_real's samples; `WORKERS` loader workers o
   `SamAutomaticMaskGenerator`, 32 x 32 points) on 1024 x 768 images (fig5_real's function, on the device);
 - LISM: crops/s of the `lism` stage's `Matcher` (images decoded and crops cut in DataLoader workers, each image and
   its box crops embedded, the sentences matched; on a GPU the crops of a unit's images share batches).
-MEASURED: NOTHING YET on a GPU for these rows (this session had no CUDA machine): the step table's baseline is
-issue 32's H200 table. tests/scale/test_gpu_rows.py runs every row's code on the CPU at a tiny size (not timed).
+Measured on one H200: benchmarks/README.md, "Measured on a GPU". tests/scale/test_gpu_rows.py runs every row's
+code on the CPU at a tiny size (not timed).
 """
 from __future__ import annotations
 
@@ -61,15 +61,18 @@ def gemm_tflops(n: int = GEMM_N, reps: int = 20) -> float:
 
 
 def method_step(name: str, model_dir, params: dict, log, *, device: str = "cuda:0", batch: int = BATCH,
-                precision: str = "bf16", warmup: int = WARMUP, steps: int = STEPS, samples=None) -> dict:
+                precision: str = "bf16", warmup: int = WARMUP, steps: int = STEPS, samples=None,
+                compile_model: bool = False, backend: str = "inductor") -> dict:
     """One method's `Trainer.train_step` on a fixed batch of `batch` built from `samples` (default: the sample
-    shards), timed with CUDA events on a GPU (wall clock on the CPU), and its FLOPs (fig2's `count_flops`)."""
+    shards), timed with CUDA events on a GPU (wall clock on the CPU), and its FLOPs (fig2's `count_flops`, on the
+    eager module). `compile_model`: the Trainer's `compile: true` (torch.compile of the model's forward and backward,
+    `backend`); the warm-up steps, compilation included, are timed as one wall-clock figure (`warmup_s`)."""
     import torch
 
     from clipfinetune.data.loader import ExampleContext
     from clipfinetune.methods import build_method
     from clipfinetune.models import load_model
-    from clipfinetune.train import DistInfo, TrainConfig, Trainer
+    from clipfinetune.train import DistInfo, TrainConfig, Trainer, loop
 
     from .fig2_methods import FixedSource, count_flops, make_batch, method_config, shard_samples
 
@@ -77,22 +80,45 @@ def method_step(name: str, model_dir, params: dict, log, *, device: str = "cuda:
     model = load_model("local-dir:" + str(model_dir), device=device)
     method = build_method(name, **method_config(name, params))
     ctx = ExampleContext.of_model(model)
-    cfg = TrainConfig(epochs=1, batch_size=batch, lr=1e-5, wd=0.1, grad_clip=1.0, precision=precision)
-    trainer = Trainer(method, model, FixedSource(None), cfg, dist=DistInfo(device=device), desc=f"gpu-{name}")
+    cfg = TrainConfig(epochs=1, batch_size=batch, lr=1e-5, wd=0.1, grad_clip=1.0, precision=precision,
+                      compile=compile_model)
+    default_backend, loop.COMPILE_BACKEND = loop.COMPILE_BACKEND, backend     # read when the Trainer is built
+    try:
+        trainer = Trainer(method, model, FixedSource(None), cfg, dist=DistInfo(device=device), desc=f"gpu-{name}")
+    finally:
+        loop.COMPILE_BACKEND = default_backend
     examples = trainer._to_device(make_batch(method, ctx, samples if samples is not None else shard_samples(), batch))
     trainer.module.train()
+    compiled, trainer.ddp = trainer.ddp, getattr(trainer.ddp, "_orig_mod", trainer.ddp)  # FLOPs of the eager graph
     flops = count_flops(trainer, examples)
+    trainer.ddp = compiled
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    if compile_model:
+        torch._dynamo.reset()      # each method's module is new: no earlier method's graphs, no recompile limit hit
     timer = (lambda fn, n: cuda_ms(fn, n)) if cuda else wall_ms
-    timer(lambda: trainer.train_step([examples]), warmup)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        trainer.train_step([examples])
+    synchronize(device)
+    warmup_s = time.perf_counter() - t0
     ms = statistics.median(timer(lambda: trainer.train_step([examples]), steps))
     row = {"method": name, "ms_per_step": ms, "samples_per_s": batch / ms * 1e3,
            "tflops": flops / (ms / 1e3) / 1e12, "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-           "device": str(device), "batch": batch, "precision": precision}
-    log(f"  gpu {name}: {ms:.1f} ms/step, {row['tflops']:.2f} TFLOP/s")
+           "device": str(device), "batch": batch, "precision": precision, "compiled": compile_model,
+           "warmup_s": warmup_s, "warmup_steps": warmup}
+    log(f"  gpu {name}{' compiled' if compile_model else ''} batch {batch}: {ms:.1f} ms/step, "
+        f"{row['tflops']:.2f} TFLOP/s, warm-up {warmup_s:.1f} s")
     return row                                  # the trainer is freed on return; main() empties the cache
+
+
+def compile_pays_after(eager: dict, compiled: dict) -> float:
+    """Optimiser steps after which the compiled run has caught up with the eager one, its warm-up (compilation)
+    counted: the warm-up's extra seconds over the seconds each step saves (inf when it saves none)."""
+    extra_s = compiled["warmup_s"] - eager["warmup_s"]
+    saved_s = (eager["ms_per_step"] - compiled["ms_per_step"]) / 1e3
+    return max(0.0, extra_s) / saved_s if saved_s > 0 else float("inf")
 
 
 def wall_ms(fn, reps: int) -> list[float]:
@@ -319,15 +345,28 @@ def main(log=print) -> int:
     return 0
 
 
+def step_figures(device: str, rows: list[dict], command: str) -> list[dict]:
+    """Step rows as calibration figures (benchmarks/calibration.py's schema, plus `batch`): `train_step` for the
+    eager step, `train_step_compiled` for `compile: true` (its warm-up in `source`), per GPU (process on the CPU)."""
+    from .calibration import source
+
+    src = source(command)
+    return [{"device": device, "what": "train_step_compiled" if r.get("compiled") else "train_step",
+             "arch": r.get("arch", "ViT-B-16"), "method": r["method"], "batch": r["batch"],
+             "value": round(r["samples_per_s"], 1), "unit": "samples/s",
+             "per": "GPU" if device != "cpu" else "process",
+             "settings": f"Trainer.train_step, 224 px, {r['precision']} autocast, batch {r['batch']}, random init"
+                         + (", torch.compile of the model" if r.get("compiled") else "") + "; no loader",
+             "source": f"{src}: {r['ms_per_step']:.1f} ms/step, {r['warmup_s']:.1f} s for "
+                       f"{r['warmup_steps']} warm-up steps" + (" (compilation included)" if r.get("compiled") else "")}
+            for r in rows]
+
+
 def record_steps(device: str, rows: list[dict]) -> None:
     """The step table into benchmarks/calibration.json (the rates `clipfinetune plan` estimates training with)."""
-    from .calibration import record, source
+    from .calibration import record
 
-    src = source("python -m benchmarks --gpu")
-    record([{"device": device, "what": "train_step", "arch": "ViT-B-16", "method": r["method"],
-             "value": round(r["samples_per_s"], 1), "unit": "samples/s", "per": "GPU",
-             "settings": f"Trainer.train_step, 224 px, bf16 autocast, batch {BATCH}, random init; no loader",
-             "source": f"{src}: {r['ms_per_step']:.1f} ms/step"} for r in rows])
+    record(step_figures(device, rows, "python -m benchmarks --gpu"))
 
 
 def record_extra(device: str, extra: dict) -> None:

@@ -1,13 +1,14 @@
-"""`python -m benchmarks.gpu_wheels`: the wheels a lent GPU machine lacks for `python -m benchmarks.acceptance`, in
-packs small enough to carry (benchmarks/README.md, "On a GPU lease").
+"""`python -m benchmarks.gpu_wheels`: the wheels a GPU machine without access to a package index lacks for
+`python -m benchmarks.acceptance` (benchmarks/README.md, "On a GPU machine without access to a package index").
 
-The GPU machine's image holds PyTorch and ~190 common packages (`GPU_IMAGE`, as listed for the lent machines) on
-Python 3.12 and reaches no registry. This takes every package this virtualenv installed for clipfinetune (the
-closure of its requirements, at the versions installed here) that the image lacks, downloads its cp312 manylinux
-wheel (`pip download --no-deps`; a package published only as a source archive is built into a wheel here), and
-packs the wheels into folders of at most `--pack-mib` MiB: out/1, out/2, ... The last pack also holds WordNet 3.0
-(`wordnet.tar.gz`, from /usr/share/wordnet: the GPU image has no `wordnet-base`). Each pack is installed into its
-own target folder (`/tmp/site-<n>`), so packages sharing a namespace never overwrite each other. Prints the calls.
+A typical GPU image holds PyTorch and ~190 common packages (`GPU_IMAGE`) on Python 3.12. This takes every package
+this virtualenv installed for clipfinetune (the closure of its requirements, at the versions installed here) that
+the image lacks, downloads its cp312 manylinux wheel (`pip download --no-deps`; a package published only as a source
+archive is built into a wheel here), and puts the wheels in out/1, or, with `--pack-mib N`, in packs of at most N MiB
+(out/1, out/2, ...) where what can be copied at once is limited. The last folder also holds WordNet 3.0
+(`wordnet.tar.gz`, from /usr/share/wordnet: GPU images rarely have `wordnet-base`). Each folder is installed with
+`pip install --no-index --target` into its own folder, so packages sharing a namespace never overwrite each other;
+those folders go on PYTHONPATH. Prints the commands to run on the GPU machine.
 """
 from __future__ import annotations
 
@@ -92,8 +93,10 @@ def download(pins: dict[str, str], dest: Path) -> None:
 
 
 def pack(wheels: Path, out: Path, limit_mib: float) -> list[Path]:
-    """First fit, largest first, into out/1, out/2, ...; WordNet into the last pack."""
+    """First fit, largest first, into out/1, out/2, ... (`limit_mib` 0: everything in out/1); WordNet into the last
+    pack."""
     files = sorted(wheels.glob("*.whl"), key=lambda f: -f.stat().st_size)
+    limit_mib = limit_mib or float("inf")
     bins: list[list[Path]] = []
     sizes: list[int] = []
     for f in files:
@@ -126,28 +129,25 @@ def pack(wheels: Path, out: Path, limit_mib: float) -> list[Path]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(WORK / "wheels"), help="the packs' folder (under the gitignored _work)")
-    ap.add_argument("--pack-mib", type=float, default=56.0, help="largest pack (a lease carries 64 MiB a call, "
-                    "the working tree included)")
+    ap.add_argument("--pack-mib", type=float, default=0.0, help="largest pack in MiB, where what can be copied at "
+                    "once is limited (default 0: one folder)")
     a = ap.parse_args(argv)
     pins = needed()
     download(pins, WORK / "wheels-cache")
     folders = pack(WORK / "wheels-cache", Path(a.out), a.pack_mib)
     root = Path(__file__).resolve().parents[1]
-    print(f"{len(pins)} packages, {len(folders)} packs:")
+    print(f"{len(pins)} packages, {len(folders)} folder(s):")
     for f in folders:
         mib = sum(p.stat().st_size for p in f.iterdir()) / 2 ** 20
         print(f"  {os.path.relpath(f, root)}: {len(list(f.glob('*.whl')))} wheels, {mib:.1f} MiB")
-    install = "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-    print("calls (one machine, each right after the last: it stays warm ~30 s):")
-    for i, f in enumerate(folders, 1):
-        rel = os.path.relpath(f, root)          # carry names paths inside the repository
-        last = i == len(folders)
-        cmd = f"{install} --target /tmp/site-{i} {rel}/*.whl"
-        if last:
-            sites = ":".join(f"/tmp/site-{k}" for k in range(1, len(folders) + 1))
-            cmd += (f" && tar -xzf {rel}/wordnet.tar.gz -C /tmp && export PYTHONPATH={sites} "
-                    "CLIPFT_WORDNET_DIR=/tmp/wordnet PYTHONUNBUFFERED=1 && python3 -m benchmarks.acceptance --out $OUT")
-        print(f"  run(carry=[{str(rel)!r}], timeout_s={600 if last else 120}, command={cmd!r})")
+    rel = [os.path.relpath(f, root) for f in folders]
+    print("Copy the checkout with them to the GPU machine; there, in the checkout:")
+    for i, folder in enumerate(rel, 1):
+        print(f"  python3 -m pip install -q --no-index --no-deps --no-compile --target $HOME/site-{i} {folder}/*.whl")
+    sites = ":".join(f"$HOME/site-{i}" for i in range(1, len(rel) + 1))
+    print(f"  tar -xzf {rel[-1]}/wordnet.tar.gz -C $HOME")
+    print(f"  export PYTHONPATH={sites} CLIPFT_WORDNET_DIR=$HOME/wordnet")
+    print("  make acceptance NO_VENV=1")
     return 0
 
 

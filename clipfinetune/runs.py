@@ -25,6 +25,9 @@ from __future__ import annotations
 import inspect
 
 STAGE_ONLY_TRAIN_KEYS = ("keep_checkpoint",)     # train.* keys the train stage reads itself: not a training setting
+# train.* keys of older params files that are now the host's (clipfinetune/host.py): ignored wherever they stand, so
+# they reach no run's settings and re-train nothing
+HOST_TRAIN_KEYS = ("workers",)
 PRECISION_SETTINGS = ("auto", "bf16", "fp16", "fp32")
 
 
@@ -50,11 +53,13 @@ def loss_owners(loss: dict, methods) -> dict[str, str]:
 
 def method_train_groups(train: dict, methods) -> tuple[dict, dict[str, dict]]:
     """params `train` -> (the shared settings, {method: its override group}). A group that is no method's fails."""
-    groups = {k: dict(v or {}) for k, v in train.items() if isinstance(v, dict)}
+    groups = {k: {g: x for g, x in (v or {}).items() if g not in HOST_TRAIN_KEYS}
+              for k, v in train.items() if isinstance(v, dict)}
     stray = sorted(set(groups) - set(methods))
     if stray:
         raise ValueError(f"params train: groups {stray} are no method's (methods: {', '.join(methods)})")
-    shared = {k: v for k, v in train.items() if k not in groups and k not in STAGE_ONLY_TRAIN_KEYS}
+    shared = {k: v for k, v in train.items()
+              if k not in groups and k not in STAGE_ONLY_TRAIN_KEYS and k not in HOST_TRAIN_KEYS}
     return shared, groups
 
 

@@ -7,9 +7,9 @@ Benchmarks come from `eval.benchmarks` (task -> set -> paths); unconfigured ones
 
 The models run on the device of `compute.device` (stages/_items.py; recorded in the metrics' meta), in fp32.
 Under torchrun the encoding is split across ranks (clipfinetune/eval/sharded.py): every rank plans the suite's
-batches, computes its share (images decoded in `eval.workers` DataLoader workers) as part files under
-data/cache/eval-<model>/<fingerprint>/, and rank 0 scores every benchmark from them, so the outputs equal a
-one-process run's and a killed run resumes from its parts.
+batches, computes its share (images decoded in DataLoader workers, as many as the host offers a rank:
+clipfinetune/host.py) as part files under data/cache/eval-<model>/<fingerprint>/, and rank 0 scores every benchmark
+from them, so the outputs equal a one-process run's and a killed run resumes from its parts.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from stages._common import ITEMS, start
 
 import torch
 
+from clipfinetune import host
 from clipfinetune.eval import sharded
 from clipfinetune.eval.items import METRICS_KEY, to_frame
 from clipfinetune.eval.suite import evaluate_model, make_encoders
@@ -41,8 +42,9 @@ def load_exported(name: str, device="cpu"):
 def main() -> None:
     args, params, log = start(__doc__, lambda a: "eval_base" if a.model == "base" else f"eval@{a.model}", lambda p: p.add_argument(
         "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"), ITEMS)
-    if params["eval.threads"]:
-        torch.set_num_threads(int(params["eval.threads"]))
+    threads = host.count("eval_threads")      # the host's, not a param: a changed count re-runs no stage
+    if threads:
+        torch.set_num_threads(threads)
     dist = _items.setup_device(params)
     text_encoder = params["eval.box_cls.text_encoder"]
     model = load_exported(args.model, dist.device)
@@ -51,7 +53,9 @@ def main() -> None:
     benchmarks, batch_size = params["eval.benchmarks"], params["eval.batch_size"]
     suite_args = {"text_encoder": text_encoder, "aro_seed": params["eval.aro_seed"],
                   "cache_dir": params["eval.cache_dir"] or None}
-    workers = int(params.get("eval.workers", 0))
+    workers = host.count("eval")
+    log.info("%d DataLoader workers, %d torch threads per rank (clipfinetune/host.py)", workers,
+             torch.get_num_threads())
 
     # every rank plans the suite's encoder batches (no forward), computes its share, rank 0 scores from the parts
     plan = sharded.plan_batches(model, benchmarks, batch_size, text_model, **suite_args)
@@ -59,7 +63,7 @@ def main() -> None:
     encoders = make_encoders(model, text_model, text_encoder, batch_size)
     by_tag = {"model": encoders[0], "text_model": encoders[1]}
     store = _items.part_store(params, {"model": args.model, "batch_size": batch_size, "benchmarks": benchmarks,
-                                       "threads": params["eval.threads"], **suite_args}, dist.device, codec="torch")
+                                       "threads": threads, **suite_args}, dist.device, codec="torch")
     results = _items.run_sharded(
         store, [[unit] for unit in plan], sharded.unit_id,
         lambda units: (res for _, res in sharded.encode_units([u[0] for u in units], by_tag, workers)),

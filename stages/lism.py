@@ -6,13 +6,12 @@ with its images), and metrics/lism.json: on the sample world, where the generato
 sentence describes, LISM's accuracy against that ground truth; on real data (`lism.ground_truth: ""`) the pair
 counts only. It never reads the instances files; the ground truth is read only to measure.
 
-The model runs on the device of `compute.device` (stages/_items.py; recorded in local_pairs.meta.json). The
-images (by id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units (images decoded
-and crops cut in `lism.workers` DataLoader workers) and writes one part file per unit under
-data/cache/lism/<fingerprint>/, with the unit's test images' files of GOAL's test list (the original linked, the
-chosen crop as a PNG) beside it; rank 0 assembles them in image order, links the files into the test list's folder
-and writes every output, so a sharded run writes exactly what one process writes, and a killed run resumes from
-its parts.
+The model runs on the device of `compute.device` (stages/_items.py; recorded in local_pairs.meta.json). The images (by
+id) are cut into work units of UNIT_IMAGES; under torchrun each rank matches its units (images decoded and crops cut
+in DataLoader workers, as many as the host offers a rank: clipfinetune/host.py) and writes one part file per unit
+under data/cache/lism/<fingerprint>/, with the unit's test images' files of GOAL's test list (the original linked, the
+chosen crop as a PNG) beside it; rank 0 assembles them in image order, links the files into the test list's folder and
+writes every output, so a sharded run writes exactly what one process writes, and a killed run resumes from its parts.
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from stages._common import ITEMS, source_specs, start_preparing
 
 import pandas as pd
 
+from clipfinetune import host
 from clipfinetune.data.benchmarks.global_local import place_files, write_test_list
 from clipfinetune.data.prepare.lism import (
     Matcher,
@@ -64,7 +64,7 @@ def main() -> None:
                 "sentences": params["lism.sentences"], "segments": params["lism.segments"], "batch_size": batch_size,
                 "unit_images": UNIT_IMAGES[dist.device.type]}
     store = _items.part_store(params, settings, dist.device)      # workers change no result: not in the key
-    matcher = Matcher(model, texts_of(by_image), boxes_of, batch_size, store.files_dir, params["lism.workers"])
+    matcher = Matcher(model, texts_of(by_image), boxes_of, batch_size, store.files_dir, host.count("lism"))
     results = _items.run_sharded(store, work_units(records, settings["unit_images"]), lambda r: r.image_id,
                                  matcher, dist, log, "lism", stream=True)
     log.info("lism: rank %d matched %d images (%d candidates) and wrote %d test images' items", dist.rank,

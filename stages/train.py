@@ -62,6 +62,7 @@ def add_arguments(parser) -> None:
 def main() -> None:
     args, params, log = start(__doc__, lambda a: f"train@{a.run}", add_arguments, training_batch)
 
+    from clipfinetune import host
     from clipfinetune.data.loader import ExampleContext, ShardLoader
     from clipfinetune.methods import get_method
     from clipfinetune.models import load_model
@@ -80,7 +81,7 @@ def main() -> None:
         random_crop = cfg.train_transform == "random_resized_crop"
         ctx = ExampleContext.of_model(model, random_geometry=random_crop)
         loader = ShardLoader(ROOT / "data" / "shards", "train", method, ctx, batch_size=cfg.micro_batch_size,
-                             seed=cfg.seed, num_workers=cfg.workers, epoch_unit=cfg.epoch_unit,
+                             seed=cfg.seed, num_workers=host.count("train"), epoch_unit=cfg.epoch_unit,
                              epoch_samples=cfg.epoch_samples, accum_steps=cfg.accum_steps,
                              rank=session.dist.rank, world_size=session.dist.world_size,
                              pin_memory=session.dist.device.type == "cuda")

@@ -6,6 +6,11 @@ import pytest
 
 # Before torch loads: idle OpenMP threads sleep instead of spinning (2 shared cores; see stages/_common.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The tests' host counts (clipfinetune/host.py: environment, not params; the stages' subprocesses inherit them): no
+# training loader or eval workers and one eval thread, as other tests share the 2 cores; LISM's workers: the host's.
+HOST_COUNTS = {"CLIPFINETUNE_WORKERS": "0", "CLIPFINETUNE_EVAL_WORKERS": "0", "CLIPFINETUNE_EVAL_THREADS": "1"}
+for _name, _value in HOST_COUNTS.items():
+    os.environ.setdefault(_name, _value)
 
 TESTS = Path(__file__).resolve().parent
 FAULTS = TESTS / "faults"

@@ -17,6 +17,7 @@ nothing):
     loss file marks only the runs that load that method;
   - adding a method (its modules, loss weight and run) marks no existing train@ or eval@;
   - every model stage records the precision it ran in (`model.precision: auto`).
+  - a host's worker and thread counts (environment) re-run nothing; the older params keys only the resolver.
 Run with `pytest -m dag` (several minutes on 2 CPU cores; see fixtures/project.py TINY for the profile).
 """
 from __future__ import annotations
@@ -29,8 +30,10 @@ import pandas as pd
 import pytest
 import yaml
 from fixtures.project import RAN, TINY, assert_sweep_reran_exactly, copy_project, write_params
+from fixtures.project import env as project_env
 from fixtures.project import run as _run
 
+from clipfinetune import host
 from clipfinetune.eval.items import recompute
 
 pytestmark = pytest.mark.dag
@@ -39,6 +42,15 @@ pytestmark = pytest.mark.dag
 def _git_commit(repo: Path, msg: str) -> None:
     _run(repo, "git", "add", "-A")
     _run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", msg)
+
+
+def _run_env(repo: Path, extra: dict, *cmd: str):
+    """`cmd` in `repo` with `extra` in its environment (the stages' environment under `dvc repro`)."""
+    import subprocess
+
+    proc = subprocess.run(cmd, cwd=repo, env={**project_env(), **extra}, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)}: {proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
 
 
 def _lock(repo: Path) -> dict:
@@ -129,6 +141,18 @@ def dag(tmp_path_factory):
     loss.write_bytes(code)
     _run(repo, "dvc", "repro", "code", "run_settings")                     # the baseline's digests again
     rec["status_restored"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+
+    # the host's worker and thread counts (clipfinetune/host.py), set as a host sets them and as an older params.yaml
+    # still does: nothing re-runs, and the older keys re-run only the resolver, whose files stay the same
+    counts = {name: "1" if "THREADS" in name else "3" for name in host.VARIABLES.values()}
+    rec["status_host_counts"] = json.loads(_run_env(repo, counts, "dvc", "status", "--json").stdout)
+    rec["host_counts_ran"] = RAN.findall(_run_env(repo, counts, "dvc", "repro").stdout)
+    write_params(repo, {"train": {"workers": 5, "clip": {"workers": 1}}, "eval": {"workers": 3, "threads": 2},
+                        "lism": {"workers": 3}})
+    rec["status_old_counts"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
+    rec["old_counts_ran"] = RAN.findall(_run(repo, "dvc", "repro").stdout)
+    params.write_bytes(baseline)
+    _run(repo, "dvc", "repro", "run_settings")
 
     # the card's sweep and comparison, exactly as written
     t0 = time.perf_counter()
@@ -252,6 +276,16 @@ def test_changing_train_seed_marks_every_run_and_not_pretrain(dag):
     # after the resolver: every run's settings file changed; downstream of the runs their eval@ stages and report
     # (not eval_base); sample, data stages, pretrain untouched
     assert set(_changed(dag["status_seed"])) == {s for s in dag["stages"] if s.startswith("train@")}
+
+
+def test_a_hosts_worker_and_thread_counts_re_run_no_stage(dag):
+    """Set per host (environment, clipfinetune/host.py), every count changed re-runs nothing; the older params keys
+    (`train.workers`, `eval.workers`/`threads`, `lism.workers`) re-run the resolver alone (it declares `train` whole),
+    whose unchanged settings files re-train nothing."""
+    assert _changed(dag["status_host_counts"]) == {}
+    assert dag["host_counts_ran"] == ["benchmarks"]
+    assert set(_changed(dag["status_old_counts"])) == {"run_settings"}
+    assert sorted(dag["old_counts_ran"]) == ["benchmarks", "run_settings"]
 
 
 def _cpu_has_native_bf16() -> bool:

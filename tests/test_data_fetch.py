@@ -28,8 +28,7 @@ from fixtures import real_tree
 from fixtures.data_server import UNUSED, mini_manifest, mirror_of, serve
 from fixtures.project import committed, copy_project, run
 
-from clipfinetune.project import profile
-from clipfinetune.project import data
+from clipfinetune.project import data, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("harmoclip", "fsc_clip", "goal", "degla", "mulclip")

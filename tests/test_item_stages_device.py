@@ -1,6 +1,6 @@
 """The item stages (segments, lism, eval) put their model on cuda:LOCAL_RANK when CUDA is reported present and
 `compute.device` is auto, and record that device in their outputs' metadata (issue 32). CUDA is mocked: the model
-loaders are replaced by recorders that return a CPU model, so the stages run through on this machine."""
+loaders are replaced by recorders that return a CPU model, so the stages run through on a CPU-only host."""
 from __future__ import annotations
 
 import importlib
@@ -83,10 +83,11 @@ def test_lism_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda
                   for k, t in enumerate(("A red box.", "A grey wall."))]).to_parquet("sentences.parquet")
     pd.DataFrame([{"image_id": ex, "segment_id": 0, "x0": 10.0, "y0": 8.0, "x1": 30.0, "y1": 24.0, "area_frac": 0.1}
                   for ex in ids]).to_parquet("segments.parquet")
+    monkeypatch.setenv("CLIPFINETUNE_LISM_WORKERS", "0")
     _run(monkeypatch, "lism", "lism", {
         "sources": cuda_rank_1, "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"],
                                          "sentences": "sentences.parquet", "segments": "segments.parquet",
-                                         "ground_truth": "", "batch_size": 8, "workers": 0}})
+                                         "ground_truth": "", "batch_size": 8}})
     assert [str(d) for d in asked] == ["cuda:1"]
     assert json.loads(Path("data/prepared/local_pairs.meta.json").read_text())["device"] == "cuda:1"
 
@@ -100,7 +101,7 @@ def test_eval_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda
     Image.open("train_00000.jpg").save("shapes/test/square/0.jpg")
     Path("shapes/classnames.txt").write_text("square\n")
     _run(monkeypatch, "eval", "eval@base", {"eval": {
-        "batch_size": 4, "threads": 0, "aro_seed": 1, "cache_dir": "", "box_cls": {"text_encoder": "own"},
+        "batch_size": 4, "aro_seed": 1, "cache_dir": "", "box_cls": {"text_encoder": "own"},
         "benchmarks": {"zeroshot": {"shapes": {"dir": "shapes", "split": "test"}}}}}, ["--model", "tiny"])
     assert [(n, str(d)) for n, d in asked] == [("tiny", "cuda:1")]
     metrics = json.loads(Path("metrics/tiny.json").read_text())

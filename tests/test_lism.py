@@ -196,8 +196,8 @@ def test_lism_stage_on_real_data_without_ground_truth_writes_its_metrics_file(tm
     params = StageParams("lism@docci", {
         "sources": {"docci": {"reader": "docci", "descriptions": "docci.jsonlines", "images": "."}},
         "lism": {"model": "matcher", "pretrained": "", "sources": ["docci"], "sentences": "sentences.parquet",
-                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8,
-                 "workers": 1}})
+                 "segments": "segments.parquet", "ground_truth": "", "batch_size": 8}})
+    monkeypatch.setenv("CLIPFINETUNE_LISM_WORKERS", "1")          # the host's count: one DataLoader worker
     monkeypatch.setattr(_common, "stage_params", lambda name=None: params)
     monkeypatch.setattr(sys, "argv", ["stages/lism.py", "--stage", "lism@docci"])
     stage.main()
@@ -356,7 +356,7 @@ def test_the_global_image_winning_links_the_original_as_the_local_item(tmp_path)
 
 
 def test_a_killed_rank_leaves_no_worker_or_writer_process_behind(tmp_path):
-    """SIGKILL of a rank mid-run (a lease's end, the OOM killer): its DataLoader workers and test-list writer
+    """SIGKILL of a rank mid-run (a machine taken back, the OOM killer): its DataLoader workers and test-list writer
     processes end by themselves instead of waiting for work forever."""
     import os
     import signal

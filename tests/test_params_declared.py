@@ -198,3 +198,35 @@ def test_only_the_resolver_declares_loss_or_training_keys(declared):
             continue
         assert not [k for k in keys if k.split(".")[0] in ("loss", "train", "runs") and (stage, k) not in WHOLE_GROUP_OK], \
             stage
+
+
+HOST_COUNT_KEYS = ("workers", "threads")      # clipfinetune/host.py: the host's, never params
+
+
+def _keys(tree, prefix=""):
+    """Every dotted key of a nested mapping, groups included."""
+    for key, value in (tree or {}).items():
+        yield f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _keys(value, f"{prefix}{key}.")
+
+
+def test_no_worker_or_thread_count_is_a_declared_param_of_any_stage(declared):
+    """Worker and thread counts change no output, so a host's setting must re-run nothing: no stage declares one,
+    and no group a stage declares whole holds one (params.yaml, params.real.yaml, every recipe)."""
+    for stage, keys in declared.items():
+        assert not [k for k in keys if k.split(".")[-1] in HOST_COUNT_KEYS], (stage, keys)
+    for path in [ROOT / "params.yaml", ROOT / "params.real.yaml", *sorted((ROOT / "recipes").glob("*.yaml"))]:
+        found = [k for k in _keys(yaml.safe_load(path.read_text())) if k.split(".")[-1] in HOST_COUNT_KEYS]
+        assert not found, (path.name, found)
+
+
+def test_an_older_params_files_worker_count_reaches_no_runs_settings():
+    """A user's params.yaml that still sets `train.workers` (shared or a method's) trains as before: the key is
+    dropped, not an error, and is in no run's settings file (which train@<run> depends on)."""
+    from clipfinetune.runs import resolve_runs
+
+    params = {**PARAMS, "train": {**PARAMS["train"], "workers": 8, "clip": {"workers": 3}}}
+    with_old = resolve_runs(params)
+    assert with_old == resolve_runs(PARAMS)
+    assert all("workers" not in settings["train"] for settings in with_old.values())

@@ -64,7 +64,7 @@ def project(tmp_path_factory):
         "sources": {"pairs": {"reader": "pairs", "table": "pairs/pairs.csv", "images": "pairs/images",
                               "image_column": "filepath", "caption_column": "title"}},
         "shards": {"sources": ["pairs"], "maxcount": 16},
-        "train": {"epochs": 2, "batch_size": 8, "warmup": 1, "workers": 0, "checkpoint_every": 0}})
+        "train": {"epochs": 2, "batch_size": 8, "warmup": 1, "checkpoint_every": 0}})
     torch.manual_seed(0)
     export_model(load_model("cft-tiny-vit"), repo / "models" / "base")
     _run(repo, "git", "init", "-q")

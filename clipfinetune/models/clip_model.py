@@ -291,8 +291,10 @@ class ClipModel(nn.Module):
         clip = self.text_tower
         if text.shape[1] != clip.context_length:
             raise ValueError(f"text is tokenized to {text.shape[1]} positions, the model takes {clip.context_length}")
+        # not under torch.compile: there the full context keeps one static graph (no graph break, no recompile)
+        trim = trim and self._can_trim() and not torch.compiler.is_compiling()
         # sync: the trimmed length is the batch's longest text, a shape that depends on the data
-        length = int(self._eot_positions(text).max()) + 1 if trim and self._can_trim() else text.shape[1]
+        length = int(self._eot_positions(text).max()) + 1 if trim else text.shape[1]
         text = text[:, :length]
         cast_dtype = clip.transformer.get_cast_dtype()
         x = clip.token_embedding(text).to(cast_dtype) + clip.positional_embedding[:length].to(cast_dtype)

@@ -1,10 +1,10 @@
 """The real-data profile end to end: params.real.yaml applied as a user would, on a miniature tree in the real
 layouts (docs/evalsets.md §8, tests/fixtures/real_tree.py), through `dvc repro eval@clip`, in a throw-away copy.
 
-Only compute is scaled down: one epoch, tiny batches, no loader workers, a tiny exported CLIP standing in for the
-pretrained weights (`model.pretrained: local-dir:...`, also the LISM matcher), no SAM checkpoint (the documented CPU
-segmenter), and a fake OpenAI-compatible server in a thread in place of vLLM. Everything else (paths, layouts,
-spaCy lemmatizer, server backend, bf16 precision, the benchmark sets) is the real profile's.
+Only compute is scaled down: one epoch, tiny batches, no loader workers (tests/conftest.py), a tiny exported CLIP
+standing in for the pretrained weights (`model.pretrained: local-dir:...`, also the LISM matcher), no SAM checkpoint
+(the documented CPU segmenter), and a fake OpenAI-compatible server in a thread in place of vLLM. Everything else
+(paths, layouts, spaCy lemmatizer, server backend, bf16 precision, the benchmark sets) is the real profile's.
 Minutes on 2 CPU cores: tests/scale/, run by `make test-scale`.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ CPU = {
     "segments": {"sam_checkpoint": ""},          # no SAM: the CPU segmenter, noted by validate and in the metadata
     "negatives": {"concurrency": 2, "timeout": 20, "max_retries": 1, "backoff": 0.1},
     "shards": {"maxcount": 4},
-    "train": {"epochs": 1, "batch_size": 2, "warmup": 1, "workers": 0, "checkpoint_every": 0},
-    "eval": {"batch_size": 64, "threads": 1},
+    "train": {"epochs": 1, "batch_size": 2, "warmup": 1, "checkpoint_every": 0},
+    "eval": {"batch_size": 64},
 }
 STAGES = {"plan@repro", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco",
           "shards", "code", "run_settings", "train@clip", "benchmarks", "eval@clip"}

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from clipfinetune import host
 from clipfinetune.project.plan.common import Refusal, _fmt_seconds, _get, _method
 from clipfinetune.project.plan.hardware import _training_ranks
 from clipfinetune.runs import batch_param
@@ -174,7 +175,7 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
             from clipfinetune.methods import get_method
 
             coverage = epoch_coverage(shards_dir, get_method(method)(**run["config"]), global_batch=global_batch,
-                                      world_size=row.ranks, num_workers=int(train.get("workers", 0)),
+                                      world_size=row.ranks, num_workers=host.count("train", row.ranks),
                                       epoch_unit=train.get("epoch_unit", "image"),
                                       epoch_samples=int(train.get("epoch_samples", 0) or 0), accum_steps=accum)
         except Exception as e:  # noqa: BLE001  shards of another configuration: the estimate below, said so
@@ -185,8 +186,9 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
         if row.seen < row.units or row.repeated:
             refusals.append(Refusal(st.name, "shards.maxcount",
                                     f"an epoch sees {row.seen:,} of {row.units:,} units and repeats {row.repeated:,} "
-                                    f"at {row.ranks} ranks x {train.get('workers', 0)} workers",
-                                    ["a smaller shards.maxcount (more shards per reader)", "fewer train.workers"]))
+                                    f"at {row.ranks} ranks x {host.count('train', row.ranks)} workers",
+                                    ["a smaller shards.maxcount (more shards per reader)",
+                                     "fewer loader workers (CLIPFINETUNE_WORKERS, docs/scale.md)"]))
     else:
         units = _estimated_units(params, run, records, root)
         if units is not None:
@@ -199,7 +201,7 @@ def _training_row(row, st, params, runs, compute, gpus, most, hardware, device, 
     if (sizes("models/base") or 0) and row.outputs_bytes is None:
         row.outputs_bytes, row.outputs_note = sizes("models/base"), "estimated (models/base's size)"
     arch = str(_get(params, "model.name"))
-    _training_time(row, figures, kind, arch, method, accum, int(train.get("workers", 0) or 0))
+    _training_time(row, figures, kind, arch, method, accum, host.count("train", row.ranks))
     for f in figures:                  # the paper's own cost of a run (any card: the one the authors had)
         if f["what"] == "paper_run" and f.get("method") == method and f.get("arch", "") in ("", arch):
             row.paper = f"{f['value']:g} {f['unit']} per {f['per']} on one {f['device']} ({f['source']})"
