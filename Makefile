@@ -73,7 +73,7 @@ acceptance-tiny: setup
 	source $(BIN)/activate && python -m benchmarks.acceptance --tiny
 
 lint: setup
-	$(BIN)/ruff check clipfinetune stages tests benchmarks
+	$(BIN)/ruff check clipfinetune stages tests benchmarks research
 
 setup: $(STAMP) system-deps
 

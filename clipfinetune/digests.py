@@ -7,7 +7,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-DIGEST_CACHE = Path("data/cache/leakage")   # the project's digest cache (stages shards and benchmarks, validate)
+DIGEST_CACHE = Path("data/cache/leakage")   # the project's digest cache (stages shards and evalsets, validate)
 
 
 class DigestCache:

@@ -1,4 +1,4 @@
-"""Dotted keys into nested mappings: `lookup(params, "eval.benchmarks.zeroshot")` is params["eval"]["benchmarks"]
+"""Dotted keys into nested mappings: `lookup(params, "eval.evalsets.zeroshot")` is params["eval"]["evalsets"]
 ["zeroshot"] (params.yaml, a stage's declared params, metrics files, profile overlays)."""
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Two tests, per configured evaluation set:
   hashes nothing. A re-encoded copy (other bytes) is not caught by content: ids are the only guard there.
   Not covered: ARO's VG images that are also COCO images (VG ids, no COCO id in ARO's files).
 
-Evaluation images are listed by `clipfinetune.data.benchmarks.sets.read_set`, the reader the evaluation scores each set
+Evaluation images are listed by `clipfinetune.data.evalsets.sets.read_set`, the reader the evaluation scores each set
 through, so the check sees exactly the files a benchmark scores.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from clipfinetune.data.benchmarks.sets import read_set
+from clipfinetune.data.evalsets.sets import read_set
 from clipfinetune.data.readers.coco import coco_id_of
 from clipfinetune.digests import DigestCache
 from clipfinetune.io import InputError
@@ -94,13 +94,13 @@ def training_images(sources: dict, splits=None, unchecked: list | None = None, r
 
 
 # ---------------------------------------------------------------- evaluation images
-def evaluation_sets(benchmarks: dict | None, unreadable: dict | None = None) -> dict[str, list[ImageRef]]:
-    """{"<task>.<set>": images} for every configured set of `eval.benchmarks`, as its benchmark's reader lists the images
-    it scores (`clipfinetune.data.benchmarks.sets.read_set`). A set whose files cannot be read
+def evaluation_sets(evalsets: dict | None, unreadable: dict | None = None) -> dict[str, list[ImageRef]]:
+    """{"<task>.<set>": images} for every configured set of `eval.evalsets`, as its benchmark's reader lists the images
+    it scores (`clipfinetune.data.evalsets.sets.read_set`). A set whose files cannot be read
     (e.g. a sample-world set the `sample` stage has not written yet: it cannot hold a real training image) is left
     out and its error put in `unreadable` when given, else raised."""
     out = {}
-    for task, sets in (benchmarks or {}).items():
+    for task, sets in (evalsets or {}).items():
         for name, cfg in (sets or {}).items():
             if not cfg:
                 continue

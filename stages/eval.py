@@ -2,7 +2,7 @@
 metrics/items/<model>.parquet (every query's / box's / test case's outcome, clipfinetune/eval/items.py; its schema
 metadata holds the metrics file's text under `items.METRICS_KEY`).
 
-Benchmarks come from `eval.benchmarks` (task -> set -> paths); unconfigured ones are listed under
+Benchmarks come from `eval.evalsets` (task -> set -> paths); unconfigured ones are listed under
 "skipped" in the metrics file. Run by hand: python stages/eval.py --model clip [--stage eval@clip].
 
 The models run on the device of `compute.device` (stages/_items.py; recorded in the metrics' meta), in fp32.
@@ -50,7 +50,7 @@ def main() -> None:
     model = load_exported(args.model, dist.device)
     text_model = load_exported("base", dist.device) if text_encoder == "base" and args.model != "base" else model
     t0 = time.perf_counter()
-    benchmarks, batch_size = params["eval.benchmarks"], params["eval.batch_size"]
+    evalsets, batch_size = params["eval.evalsets"], params["eval.batch_size"]
     suite_args = {"text_encoder": text_encoder, "aro_seed": params["eval.aro_seed"],
                   "cache_dir": params["eval.cache_dir"] or None}
     workers = host.count("eval")
@@ -58,11 +58,11 @@ def main() -> None:
              torch.get_num_threads())
 
     # every rank plans the suite's encoder batches (no forward), computes its share, rank 0 scores from the parts
-    plan = sharded.plan_batches(model, benchmarks, batch_size, text_model, **suite_args)
+    plan = sharded.plan_batches(model, evalsets, batch_size, text_model, **suite_args)
     log.info("planned the suite's encoding: %d batches", len(plan))
     encoders = make_encoders(model, text_model, text_encoder, batch_size)
     by_tag = {"model": encoders[0], "text_model": encoders[1]}
-    store = _items.part_store(params, {"model": args.model, "batch_size": batch_size, "benchmarks": benchmarks,
+    store = _items.part_store(params, {"model": args.model, "batch_size": batch_size, "evalsets": evalsets,
                                        "threads": threads, **suite_args}, dist.device, codec="torch")
     results = _items.run_sharded(
         store, [[unit] for unit in plan], sharded.unit_id,
@@ -74,7 +74,7 @@ def main() -> None:
         return
     sharded.fill_encoders(plan, results, by_tag)
     items: list = []
-    metrics = evaluate_model(model, benchmarks, batch_size, text_model, items=items, encoders=encoders, **suite_args)
+    metrics = evaluate_model(model, evalsets, batch_size, text_model, items=items, encoders=encoders, **suite_args)
     metrics["meta"]["model"] = args.model
     metrics["meta"]["device"] = str(dist.device)
     metrics["meta"]["precision"] = "fp32"          # evaluation never autocasts (model.precision is training's)

@@ -25,7 +25,7 @@ from stages._common import ITEMS, source_specs, start_preparing
 import pandas as pd
 
 from clipfinetune import host
-from clipfinetune.data.benchmarks.global_local import place_files, write_test_list
+from clipfinetune.data.evalsets.global_local import place_files, write_test_list
 from clipfinetune.data.prepare.lism import (
     Matcher,
     assemble_lism,

@@ -6,7 +6,7 @@ with the plan's table and refusals (the param to change, values that work) when 
 degrade later: a batch the ranks cannot split, a run reading a table no stage writes, a vLLM server sharing a card
 with the ranks, a real model scored on the sample world's sets, an epoch that misses units, a missing input. Every
 other stage depends on data/plan, so nothing runs before it; its output, data/plan/passed.json, is the same file
-whenever the plan passes, so a passing plan re-runs nothing (always_changed, as `benchmarks`).
+whenever the plan passes, so a passing plan re-runs nothing (always_changed, as `evalsets`).
 Run by hand: python stages/plan.py --stage plan@repro (or `clipfinetune plan`, which prints the same table).
 """
 from __future__ import annotations

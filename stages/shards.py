@@ -32,7 +32,7 @@ def main() -> None:
     records = read_sources(list(sources), sources, read_counts)      # read once: the leakage check and the shards
     train = leakage.training_images(sources, params["shards.splits"], records=records)
     unreadable: dict = {}
-    overlaps, cost = leakage.find_overlaps(train, leakage.evaluation_sets(params["eval.benchmarks"], unreadable),
+    overlaps, cost = leakage.find_overlaps(train, leakage.evaluation_sets(params["eval.evalsets"], unreadable),
                                            DIGEST_CACHE)
     log.info("leakage check: %s; not compared (unreadable): %s", cost, unreadable or "none")
     leakage.refuse(overlaps)

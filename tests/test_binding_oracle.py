@@ -1,4 +1,4 @@
-"""The binding oracle probe (benchmarks/binding_oracle.py, issue 35): its negatives are false by the scene truth, its
+"""The binding oracle probe (research/binding_oracle.py, issue 35): its negatives are false by the scene truth, its
 loss is NegCLIP's, its batches follow the variant. The probe's whole run is tests/scale/test_binding_oracle_run.py."""
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.binding_oracle import (
+from clipfinetune.sample.scene import OPPOSITE, holds
+from clipfinetune.sample.vocab import COLOUR_NAMES, RELATIONS, SHAPE_NAMES
+from clipfinetune.sample.world import WorldConfig, generate_world
+from research.binding_oracle import (
     NegClipLoss,
     ProbeSource,
     binding_pairs,
     read_scenes,
     same_bag_pairs,
 )
-from clipfinetune.sample.scene import OPPOSITE, holds
-from clipfinetune.sample.vocab import COLOUR_NAMES, RELATIONS, SHAPE_NAMES
-from clipfinetune.sample.world import WorldConfig, generate_world
 
 PHRASE_TO_REL = {p: r for r, phrases in RELATIONS.items() for p in phrases}
 NP = re.compile(rf"\b({'|'.join(COLOUR_NAMES)}) ({'|'.join(SHAPE_NAMES)})\b")

@@ -18,7 +18,7 @@ import pytest
 from fixtures.methods import random_image, tiny_model
 from PIL import ImageDraw
 
-from clipfinetune.data.benchmarks.zeroshot import read_image_folder
+from clipfinetune.data.evalsets.zeroshot import read_image_folder
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.zeroshot import evaluate_zeroshot
 from clipfinetune.models import export_model, load_model

@@ -5,9 +5,9 @@ user's three commands exactly as the README writes them: `dvc repro`, `dvc exp r
 One module-scoped fixture runs them once (every stage, with five of the runs: clip, fsc_clip and its ablation
 fsc_lhn_only, which inherits lambda_L, degla and the mix custom, so `make test` stays short;
 tests/scale/test_dag_experiment.py runs all 12 with the report's claims); the tests read what it recorded (stage
-`benchmarks` is always changed: it re-lists the benchmark files on every repro, and its unchanged output re-runs
+`evalsets` is always changed: it re-lists the benchmark files on every repro, and its unchanged output re-runs
 nothing):
-  - a second `dvc repro` runs only `benchmarks` and `dvc status` shows nothing else;
+  - a second `dvc repro` runs only `evalsets` and `dvc status` shows nothing else;
   - every run's dvclive curves render in `dvc plots show`;
   - `dvc exp run -S loss.lambda_l=0.2` re-runs exactly run_settings, train@ and eval@ of the runs that use lambda_L
     and report, and `dvc metrics diff` lists only those models' rows;
@@ -171,13 +171,13 @@ def dag(tmp_path_factory):
     return rec
 
 
-ALWAYS = {"benchmarks": ["always changed"]}
+ALWAYS = {"evalsets": ["always changed"]}
 
 
 def _changed(status: dict) -> dict:
-    """`dvc status` without the always-changed `benchmarks` stage."""
-    assert status.get("benchmarks") == ALWAYS["benchmarks"], status
-    return {k: v for k, v in status.items() if k != "benchmarks"}
+    """`dvc status` without the always-changed `evalsets` stage."""
+    assert status.get("evalsets") == ALWAYS["evalsets"], status
+    return {k: v for k, v in status.items() if k != "evalsets"}
 
 
 def test_repro_runs_every_stage_and_writes_every_metric(dag):
@@ -203,7 +203,7 @@ def test_repro_runs_every_stage_and_writes_every_metric(dag):
 
 
 def test_second_repro_is_a_no_op_and_status_is_clean(dag):
-    assert dag["second_ran"] == ["benchmarks"]          # re-listed; its output unchanged, so no eval re-ran
+    assert dag["second_ran"] == ["evalsets"]          # re-listed; its output unchanged, so no eval re-ran
     assert dag["status_clean"] == ALWAYS
 
 
@@ -283,9 +283,9 @@ def test_a_hosts_worker_and_thread_counts_re_run_no_stage(dag):
     (`train.workers`, `eval.workers`/`threads`, `lism.workers`) re-run the resolver alone (it declares `train` whole),
     whose unchanged settings files re-train nothing."""
     assert _changed(dag["status_host_counts"]) == {}
-    assert dag["host_counts_ran"] == ["benchmarks"]
+    assert dag["host_counts_ran"] == ["evalsets"]
     assert set(_changed(dag["status_old_counts"])) == {"run_settings"}
-    assert sorted(dag["old_counts_ran"]) == ["benchmarks", "run_settings"]
+    assert sorted(dag["old_counts_ran"]) == ["evalsets", "run_settings"]
 
 
 def _cpu_has_native_bf16() -> bool:

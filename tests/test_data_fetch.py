@@ -261,7 +261,7 @@ def test_the_plans_missing_inputs_are_grouped_by_dataset_with_the_command_that_f
     assert set(by_dataset) == {"coco_train2017", "coco_val2017", "coco_annotations_2017", "coco_panoptic_val2017",
                                "karpathy", "flickr30k", "coco_train2014", "coco_annotations_2014", "docci"}
     assert by_dataset["coco_val2017"]["fixes"] == ["clipfinetune data --fetch"]
-    assert "eval.benchmarks.retrieval.real.images" in by_dataset["coco_val2017"]["param"]
+    assert "eval.evalsets.retrieval.real.images" in by_dataset["coco_val2017"]["param"]
     assert by_dataset["flickr30k"]["fixes"][0].startswith("manual: https://shannon.cs.illinois.edu/")
     text = plan.render(p)
     assert "missing data, by dataset" in text and text.count("clipfinetune data --fetch") >= 1

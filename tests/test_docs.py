@@ -29,7 +29,7 @@ OUTPUTS = ("data/", "models/", "metrics/", "reports/", "dvclive/", "checkpoints/
            "benchmarks/results.json", ".dvc/tmp/", ".venv/", "plots_")
 FILE_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".sh")
 TEMPLATE_CHARS = set("<>{}*$~%[]")
-MODULE_ROOTS = ("clipfinetune", "benchmarks", "stages")
+MODULE_ROOTS = ("clipfinetune", "benchmarks", "research", "stages")
 QUOTING_DOCS = ("docs/methods.md", "docs/evalsets.md")    # quote the authors' repositories' paths
 CITING_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".json", ".txt", ".cfg", ".sh", ".ini")
 PAPERS = {"GOAL"}                          # upper-case names of papers, cited by their own sections
@@ -238,23 +238,23 @@ def test_every_path_the_documents_name_exists():
 
 
 def test_the_path_check_recognises_dangling_and_ignores_outputs():
-    files = {"README.md", "docs/a.md", "docs/research/b.md", "stages/_common.py", "benchmarks/binding_oracle.py",
+    files = {"README.md", "docs/a.md", "docs/research/b.md", "stages/_common.py", "research/binding_oracle.py",
              "clipfinetune/eval/encode.py", "recipes/goal.yaml", "tests/scale/test_x.py"}
     text = """
-Run `python -m benchmarks.binding_oracle` and read `stages/_common.py:StageParams`, `recipes/goal.yaml`,
+Run `python -m research.binding_oracle` and read `stages/_common.py:StageParams`, `recipes/goal.yaml`,
 `tests/scale/`, [the note](research/b.md), `encode.py` in `clipfinetune/eval/`, the output `metrics/summary.json`,
 `data/shards/train-coco-000000.tar`, `datasets/coco`, `recipes/<method>.yaml`, `models/<run>/`, `/mnt/data`,
 `dvclive/train/<run>/plots/metrics`, `treeverse/dvc#10549`, [DVC](https://dvc.org).
-Gone: `.probe/seed35.py`, `benchmarks/binding_sweep/`, `eval/encode.py`, `seed35.py`, [x](missing.md),
-`clipfinetune.nowhere`, `benchmarks.binding_oracle.no_such_name`.
+Gone: `.probe/seed35.py`, `research/binding_sweep/`, `eval/encode.py`, `seed35.py`, [x](missing.md),
+`clipfinetune.nowhere`, `research.binding_oracle.no_such_name`.
 ```bash
 python stages/_common.py --out benchmarks/_work/x && python tools/run.py
 ```
 """
     # _module_exists reads the real repository's sources: pick names that exist there
     assert missing_paths(text, "docs/a.md", files) == [
-        "tools/run.py", ".probe/seed35.py", "benchmarks/binding_sweep/", "eval/encode.py", "seed35.py",
-        "clipfinetune.nowhere", "benchmarks.binding_oracle.no_such_name", "missing.md"]
+        "tools/run.py", ".probe/seed35.py", "research/binding_sweep/", "eval/encode.py", "seed35.py",
+        "clipfinetune.nowhere", "research.binding_oracle.no_such_name", "missing.md"]
 
 
 def test_the_history_pattern_is_the_issue_grep():

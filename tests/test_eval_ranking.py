@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from clipfinetune.data.benchmarks.global_local import JointRecord
-from clipfinetune.data.benchmarks.retrieval import RetrievalSet
+from clipfinetune.data.evalsets.global_local import JointRecord
+from clipfinetune.data.evalsets.retrieval import RetrievalSet
 from clipfinetune.eval.box_cls import box_metrics
 from clipfinetune.eval.global_local import evaluate_global_local
 from clipfinetune.eval.ranking import average_precision_at_k, mean_per_class, negatives_ahead, topk_hits

@@ -8,11 +8,11 @@ from fixtures.eval import world
 from fixtures.eval.fakes import FakeModel, write_image
 from PIL import Image
 
-from clipfinetune.data.benchmarks import box_cls as box_sets
-from clipfinetune.data.benchmarks import compositionality as comp_sets
-from clipfinetune.data.benchmarks import long_retrieval as long_sets
-from clipfinetune.data.benchmarks import retrieval as retrieval_sets
-from clipfinetune.data.benchmarks import zeroshot as zeroshot_sets
+from clipfinetune.data.evalsets import box_cls as box_sets
+from clipfinetune.data.evalsets import compositionality as comp_sets
+from clipfinetune.data.evalsets import long_retrieval as long_sets
+from clipfinetune.data.evalsets import retrieval as retrieval_sets
+from clipfinetune.data.evalsets import zeroshot as zeroshot_sets
 from clipfinetune.eval import aro_order, box_cls, suite, zeroshot
 from clipfinetune.eval import compositionality as comp
 from clipfinetune.eval.encode import Encoder
@@ -312,7 +312,7 @@ def test_goal_crops_sharing_a_file_name_resolve_by_relative_path_or_fail(tmp_pat
 
 
 def test_goal_joint_list_crops_sharing_a_file_name_fail_when_only_the_name_matches(tmp_path):
-    from clipfinetune.data.benchmarks import global_local
+    from clipfinetune.data.evalsets import global_local
 
     images = tmp_path / "images"
     write_image(images / "a.jpg", 1)

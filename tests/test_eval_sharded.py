@@ -33,12 +33,12 @@ def test_units_computed_in_any_split_with_workers_score_as_the_lazy_suite(tmp_pa
 
     torch.manual_seed(0)
     model = load_model("cft-tiny-vit").eval()
-    benchmarks = _zeroshot_set(tmp_path / "shapes")
+    evalsets = _zeroshot_set(tmp_path / "shapes")
     lazy_items: list = []
-    lazy = evaluate_model(model, benchmarks, batch_size=4, items=lazy_items)
+    lazy = evaluate_model(model, evalsets, batch_size=4, items=lazy_items)
 
     with caplog.at_level(logging.INFO):
-        plan = sharded.plan_batches(model, benchmarks, batch_size=4)
+        plan = sharded.plan_batches(model, evalsets, batch_size=4)
     # the planning pass scores placeholder vectors: its chance-level numbers must not reach the log
     assert not [r for r in caplog.records if "zeroshot.shapes" in r.getMessage()]
     kinds = [u["kind"] for u in plan]
@@ -56,7 +56,7 @@ def test_units_computed_in_any_split_with_workers_score_as_the_lazy_suite(tmp_pa
     model.encode_image = lambda *a, **k: (calls.append(1), encode_image(*a, **k))[1]
     items: list = []
     with caplog.at_level(logging.INFO):
-        got = evaluate_model(model, benchmarks, batch_size=4, items=items, encoders=encoders)
+        got = evaluate_model(model, evalsets, batch_size=4, items=items, encoders=encoders)
     logged = [r.getMessage() for r in caplog.records if "zeroshot.shapes" in r.getMessage()]
     assert len(logged) == 1 and f"'acc1': {round(got['zeroshot']['shapes']['acc1'], 2)}" in logged[0]
     assert calls == [], "the scoring pass encoded images itself"

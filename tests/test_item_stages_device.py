@@ -102,7 +102,7 @@ def test_eval_puts_its_model_on_cuda_local_rank_and_records_it(monkeypatch, cuda
     Path("shapes/classnames.txt").write_text("square\n")
     _run(monkeypatch, "eval", "eval@base", {"eval": {
         "batch_size": 4, "aro_seed": 1, "cache_dir": "", "box_cls": {"text_encoder": "own"},
-        "benchmarks": {"zeroshot": {"shapes": {"dir": "shapes", "split": "test"}}}}}, ["--model", "tiny"])
+        "evalsets": {"zeroshot": {"shapes": {"dir": "shapes", "split": "test"}}}}}, ["--model", "tiny"])
     assert [(n, str(d)) for n, d in asked] == [("tiny", "cuda:1")]
     metrics = json.loads(Path("metrics/tiny.json").read_text())
     assert metrics["meta"]["device"] == "cuda:1" and "zeroshot" in metrics

@@ -311,7 +311,7 @@ def test_units_give_the_same_results_and_test_files_at_any_rank_count_and_worker
 def test_a_test_image_is_its_original_file_linked_and_its_crop_a_png_of_the_chosen_box(tmp_path):
     from PIL import Image
 
-    from clipfinetune.data.benchmarks.global_local import read_joint_list, write_test_list
+    from clipfinetune.data.evalsets.global_local import read_joint_list, write_test_list
     from clipfinetune.data.prepare.lism import Matcher, choose_test_pair
 
     records, texts, boxes, model = _world(tmp_path)
@@ -343,7 +343,7 @@ def test_a_test_image_is_its_original_file_linked_and_its_crop_a_png_of_the_chos
 
 
 def test_the_global_image_winning_links_the_original_as_the_local_item(tmp_path):
-    from clipfinetune.data.benchmarks.global_local import item_names, write_items
+    from clipfinetune.data.evalsets.global_local import item_names, write_items
 
     records, *_ = _world(tmp_path, n=2)
     rec = records[0]

@@ -1,10 +1,10 @@
-"""benchmarks/mulclip_terms.py: per-term gradient records of a step, checked on losses with known gradients."""
+"""research/mulclip_terms.py: per-term gradient records of a step, checked on losses with known gradients."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.mulclip_terms import step_record
+from research.mulclip_terms import step_record
 
 
 def _terms(w, head, a, b):

@@ -16,7 +16,7 @@ Dict-valued declarations allowed (each is ONE setting that one stage family read
   - `sources` (stage `shards` only): whichever sources `shards.sources` names, so training on a new source is a
                           params.yaml edit; a change to a source shards does not list re-runs shards alone, whose
                           byte-identical output leaves every train@ run untouched;
-  - `eval.benchmarks`     the benchmark configuration: stage `benchmarks` (which lists its files) and every
+  - `eval.evalsets`       the benchmark configuration: stage `evalsets` (which lists its files) and every
                           eval@<model> read all of it, and a change to any
                           benchmark path must re-run every eval anyway, so key-by-key declarations would re-run
                           nothing less and would make adding a benchmark set a dvc.yaml edit.
@@ -39,7 +39,7 @@ from clipfinetune.methods import get_method
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 SHARED_GROUPS = set(PARAMS) | {"train", "eval", "model"}
-DICT_DECLARATIONS_OK = {"eval.benchmarks"} | {f"sources.{name}" for name in PARAMS["sources"]}
+DICT_DECLARATIONS_OK = {"eval.evalsets"} | {f"sources.{name}" for name in PARAMS["sources"]}
 WHOLE_GROUP_OK = {("shards", "sources"), ("report", "runs")} \
     | {("run_settings", group) for group in ("loss", "runs", "train")}
 
@@ -122,7 +122,7 @@ def _train_runs():
 def test_dvc_expands_every_stage(declared):
     assert {s for s in declared if s.startswith("train@")} == {f"train@{r}" for r in _train_runs()}
     assert {s for s in declared if s.startswith("eval@")} == {f"eval@{r}" for r in _train_runs()}
-    assert {s for s in declared if "@" not in s} >= {"benchmarks", "report", "eval_base"}
+    assert {s for s in declared if "@" not in s} >= {"evalsets", "report", "eval_base"}
 
 
 def test_every_declared_key_exists_in_params_yaml(declared):

@@ -178,9 +178,9 @@ def test_sample_world_sets_on_a_real_model_are_refused(tree):
     assert make(tree, params, stages, 0)["ok"]                      # the sample world's own model: fine
     params["model"]["pretrained"] = "openai"
     params["model"]["name"] = "ViT-B-16"
-    (r,) = refusals(make(tree, params, stages, 0), "eval.benchmarks")
-    assert "eval.benchmarks.retrieval.sample" in r["message"]
-    assert "eval.benchmarks.retrieval.sample: null" in r["fixes"] and "eval.report.set: real" in r["fixes"]
+    (r,) = refusals(make(tree, params, stages, 0), "eval.evalsets")
+    assert "eval.evalsets.retrieval.sample" in r["message"]
+    assert "eval.evalsets.retrieval.sample: null" in r["fixes"] and "eval.report.set: real" in r["fixes"]
 
 
 def _written(tree, name: str, params: dict) -> Path:

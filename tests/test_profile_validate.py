@@ -36,12 +36,12 @@ def test_apply_merges_in_place_keeping_comments_and_dvc_set_param_still_works(tm
     mulclip = merged["train"]["mulclip"]                                   # MulCLIP §4.1 "Training setting"
     assert (mulclip["epochs"], mulclip["wd"], mulclip["warmup"], mulclip["lr"]) == (8, 0.05, 200, 1e-5)
     assert mulclip["new_module_lr"] == 2e-4 and merged["train"]["lr"] == 5e-6    # the base's shared value stays
-    benchmarks = merged["eval"]["benchmarks"]
-    assert benchmarks["retrieval"]["real"] == {"coco_captions": "datasets/coco/annotations/captions_val2017.json",
+    evalsets = merged["eval"]["evalsets"]
+    assert evalsets["retrieval"]["real"] == {"coco_captions": "datasets/coco/annotations/captions_val2017.json",
                                                "images": "datasets/coco/val2017"}  # MulCLIP §4.1: COCO2017 val, whole
-    assert set(benchmarks["retrieval"]) == {"real", "flickr1k"}            # no sample-world set on a real model
-    assert benchmarks["long_retrieval"]["real"]["splits"] == ["test", "qual_test"]
-    assert benchmarks["box_cls"] == {} and benchmarks["box_cls_hard"] == {}  # a task turned off
+    assert set(evalsets["retrieval"]) == {"real", "flickr1k"}            # no sample-world set on a real model
+    assert evalsets["long_retrieval"]["real"]["splits"] == ["test", "qual_test"]
+    assert evalsets["box_cls"] == {} and evalsets["box_cls_hard"] == {}  # a task turned off
     assert merged["sample"] == {**committed_params()["sample"], "build": []}   # the sample world left out
     assert "model.name" in changed and "runs" in changed and "pretrain.lr" not in changed   # same value: no change
     assert set(merged["runs"]) == {"mulclip", "mulclip_global_only"}       # the recipe's runs replace the list
@@ -96,13 +96,13 @@ def test_a_missing_path_weight_or_endpoint_is_named(real_project, capsys):
     produced = validate.produced_paths(real_project)
     assert "data/prepared/sentences.parquet" in produced and "models/base" in produced
     params["sources"]["docci"]["descriptions"] = "datasets/docci/nope.jsonlines"
-    params["eval"]["benchmarks"]["aro"]["real"]["images"] = "datasets/aro/imgs"
+    params["eval"]["evalsets"]["aro"]["real"]["images"] = "datasets/aro/imgs"
     params["model"]["pretrained"] = f"local-dir:{real_project / 'weights' / 'gone'}"
     params["negatives"]["model"] = "other/model"
     params["segments"]["sam_checkpoint"] = "datasets/weights/sam_vit_h_4b8939.pth"
     found = {f.key: f.message for f in validate.check(params, real_project, timeout=2, produced=produced) if f.missing}
     assert "nope.jsonlines" in found["sources.docci.descriptions"]
-    assert "datasets/aro/imgs" in found["eval.benchmarks.aro.real.images"]
+    assert "datasets/aro/imgs" in found["eval.evalsets.aro.real.images"]
     assert "gone" in found["model.pretrained"]
     assert "other/model" in found["negatives.model"]
     assert "sam_vit_h_4b8939.pth" in found["segments.sam_checkpoint"]

@@ -13,7 +13,7 @@ import pytest
 from fixtures import real_tree
 from fixtures.project import committed_params
 
-from clipfinetune.data.benchmarks.sets import read_set
+from clipfinetune.data.evalsets.sets import read_set
 from clipfinetune.project import profile
 from clipfinetune.train import TrainConfig, merge_train_settings
 
@@ -92,7 +92,7 @@ def recipe_params(recipe: str, with_defaults: bool = True) -> dict:
 def configured_sets(params: dict) -> dict[str, dict]:
     """{"<task>.<set>": the set's non-empty keys} of every set the profile turns on."""
     out = {}
-    for task, sets in (params["eval"]["benchmarks"] or {}).items():
+    for task, sets in (params["eval"]["evalsets"] or {}).items():
         for name, cfg in (sets or {}).items():
             kept = {k: v for k, v in (cfg or {}).items() if v not in ("", None, {})}
             if kept:

@@ -37,7 +37,7 @@ PAPER_DATA_STAGES = {"harmoclip": {"word_regions@coco"}, "fsc_clip": set(), "deg
                      "goal": {"sentences@docci", "segments@docci", "lism@docci"}, "mulclip": {"sentences@docci"}}
 # what every paper needs besides: the base weights, the method code digests, shards, the benchmark manifest, the
 # base's evaluation and the report (no sample world: nothing of a real run reads data/sample)
-EVERY_RECIPE = {"plan@repro", "pretrain", "code", "run_settings", "shards", "benchmarks", "eval_base", "report"}
+EVERY_RECIPE = {"plan@repro", "pretrain", "code", "run_settings", "shards", "evalsets", "eval_base", "report"}
 WEIGHTS = "datasets/weights/clip-tiny"          # stands in for every pretrained checkpoint (and LISM's matcher)
 # the compute and service stand-ins of a CPU test: no path or layout of a recipe is changed
 CPU = {"model": {"pretrained": f"local-dir:{WEIGHTS}"}, "segments": {"sam_checkpoint": ""}}
@@ -128,7 +128,7 @@ def test_each_recipe_validates_clean_and_its_dag_holds_its_papers_stages_only(pr
     assert dag == needed, sorted(dag ^ needed)                          # never sample@world
     plan = run(project["repo"], "dvc", "repro", "--dry", "--force")      # --force: every stage it would run
     assert set(re.findall(r"Running stage '([^']+)'", plan.stdout)) == needed, plan.stdout[-2000:]
-    scored = list(_paths(params["eval"]["benchmarks"]))
+    scored = list(_paths(params["eval"]["evalsets"]))
     assert scored and not [p for p in scored if p.startswith("data/sample")]
 
 
@@ -160,7 +160,7 @@ def test_the_real_profile_names_every_evaluation_task_and_no_sample_world_path(r
     real model, and no stage of the applied params reads data/sample."""
     files = [ROOT / "params.real.yaml"] + ([ROOT / "recipes" / f"{recipe}.yaml"] if recipe else [])
     applied = profile.merged(files)
-    assert set(applied["eval"]["benchmarks"]) == set(committed_params()["eval"]["benchmarks"])
+    assert set(applied["eval"]["evalsets"]) == set(committed_params()["eval"]["evalsets"])
     assert applied["sample"]["build"] == []                             # stage sample@world is not in the DAG
     full = profile.layered(committed_params(), *(yaml.safe_load(f.read_text()) for f in files))
     assert [p for p in _paths({k: v for k, v in full.items() if k != "sample"}) if p.startswith("data/sample")] == []
@@ -169,12 +169,12 @@ def test_the_real_profile_names_every_evaluation_task_and_no_sample_world_path(r
 # ------------------------------------------------------------------------------------ order, edits, DVC's -S form
 def _layered(*layers: dict) -> dict:
     """The intended params: each key from the last layer that sets it; `runs` and a task's sets
-    `eval.benchmarks.<task>` from the last layer that names them, whole."""
+    `eval.evalsets.<task>` from the last layer that names them, whole."""
     out = copy.deepcopy(layers[0])
     for layer in layers[1:]:
         def walk(dst, src, path):
             for k, v in src.items():
-                whole = path + (k,) == ("runs",) or len(path) == 2 and path == ("eval", "benchmarks")
+                whole = path + (k,) == ("runs",) or len(path) == 2 and path == ("eval", "evalsets")
                 if isinstance(v, dict) and v and isinstance(dst.get(k), dict) and not whole:
                     walk(dst[k], v, path + (k,))
                 else:
@@ -327,21 +327,21 @@ def test_a_profile_replaces_runs_and_each_tasks_sets_whole_and_merges_the_rest(t
     base = tmp_path / "params.yaml"
     base.write_text("runs:\n  clip: {method: clip}\n  goal: {method: goal, lambda_tsl: 1.0}\n"
                     "train:\n  lr: 1.0\n  epochs: 2\n"
-                    "eval:\n  benchmarks:\n    retrieval:\n      sample: {karpathy: a.json, images: a}\n"
+                    "eval:\n  evalsets:\n    retrieval:\n      sample: {karpathy: a.json, images: a}\n"
                     "      real: {karpathy: k.json, images: coco}\n    aro:\n      real: {dir: aro}\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("runs:\n  goal: {method: goal, lambda_tsl: 0.5}\ntrain:\n  lr: 2.0\n"
-                      "eval:\n  benchmarks:\n    retrieval:\n      real: {coco_captions: c.json, images: val}\n")
+                      "eval:\n  evalsets:\n    retrieval:\n      real: {coco_captions: c.json, images: val}\n")
     profile.apply([recipe], base)
     assert yaml.safe_load(base.read_text()) == {
         "runs": {"goal": {"method": "goal", "lambda_tsl": 0.5}}, "train": {"lr": 2.0, "epochs": 2},
-        "eval": {"benchmarks": {"retrieval": {"real": {"coco_captions": "c.json", "images": "val"}},
+        "eval": {"evalsets": {"retrieval": {"real": {"coco_captions": "c.json", "images": "val"}},
                                 "aro": {"real": {"dir": "aro"}}}}}
 
 
 def _metric_names(task: str) -> set[str]:
     """The leaf names the evaluators write for a task (clipfinetune/eval/suite.py's output keys)."""
-    from clipfinetune.data.benchmarks.compositionality import SUGARCREPE_TASKS
+    from clipfinetune.data.evalsets.compositionality import SUGARCREPE_TASKS
     from clipfinetune.eval.long_retrieval import LONG_KS
 
     both = lambda ks, fmt: {fmt.format(d, k) for d in ("i2t", "t2i") for k in ks}
@@ -360,7 +360,7 @@ ABLATIONS = {"goal": {"goal_global_only"}, "mulclip": {"mulclip_global_only"}}  
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_papers_numbers_name_metrics_their_recipe_evaluates(recipe):
     entry = yaml.safe_load((ROOT / "recipes" / "paper_numbers.yaml").read_text())[recipe]
-    benchmarks = profile.merged([ROOT / "params.real.yaml", ROOT / "recipes" / f"{recipe}.yaml"])["eval"]["benchmarks"]
+    evalsets = profile.merged([ROOT / "params.real.yaml", ROOT / "recipes" / f"{recipe}.yaml"])["eval"]["evalsets"]
     assert set(entry["models"]) <= {recipe, "base"} | ABLATIONS.get(recipe, set())
     for rows in entry["models"].values():
         assert len({r["metric"] for r in rows}) == len(rows)
@@ -369,7 +369,7 @@ def test_the_papers_numbers_name_metrics_their_recipe_evaluates(recipe):
             task, name, leaf = parts[-3:]
             assert r["source"] and 0 <= r["value"] <= 100, r
             assert leaf in _metric_names(task), r["metric"]
-            assert benchmarks[task][name], f"{r['metric']}: set {task}.{name} is off in the recipe"
+            assert evalsets[task][name], f"{r['metric']}: set {task}.{name} is off in the recipe"
 
 
 # ------------------------------------------------------------------------------------------------- leakage
@@ -385,11 +385,11 @@ def test_train2017_beside_the_karpathy_test_is_refused_by_validate(project):
     out = _validate(project)
     assert out.returncode == 1
     lines = [ln for ln in out.stdout.splitlines() if "LEAKAGE" in ln]
-    assert any(ln.startswith("MISSING  eval.benchmarks.retrieval.real: LEAKAGE evaluation set retrieval.real: "
+    assert any(ln.startswith("MISSING  eval.evalsets.retrieval.real: LEAKAGE evaluation set retrieval.real: "
                              "1 of its images are training images - 1 by COCO id (first: 42), 1 by content (first: "
                              "datasets/coco/train2017/000000000042.jpg == datasets/coco/val2014/COCO_val2014_"
                              "000000000042.jpg)") for ln in lines), out.stdout     # one image, the same bytes
-    assert any("eval.benchmarks.aro.real" in ln and "first: 42" in ln for ln in lines)     # COCO-Order's list
+    assert any("eval.evalsets.aro.real" in ln and "first: 42" in ln for ln in lines)     # COCO-Order's list
     assert not any("sugarcrepe" in ln or "box_cls" in ln for ln in lines)                  # val2017: disjoint
 
 

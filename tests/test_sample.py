@@ -32,7 +32,7 @@ def test_layout_of_developers_md_and_params_paths_exist():
                          "zeroshot/shape/test", "zeroshot/shape_color/test"]:
         assert (root / rel).exists(), rel
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for bench in params["eval"]["benchmarks"].values():
+    for bench in params["eval"]["evalsets"].values():
         for path in bench.get("sample", {}).values():
             if path.startswith("data/sample/"):
                 assert (root / path[len("data/sample/"):]).exists(), path

@@ -72,13 +72,13 @@ def test_a_module_a_stage_does_not_import_is_not_in_its_code():
     assert "clipfinetune/data/readers" in code["word_regions"]          # a source's reader loads by name: all of them
 
 
-@pytest.mark.parametrize("stage", ["shards", "benchmarks"])
+@pytest.mark.parametrize("stage", ["shards", "evalsets"])
 def test_the_stages_that_only_read_evaluation_sets_load_neither_the_evaluation_nor_the_model(stage):
-    """`shards` (the leakage check) and `benchmarks` (the benchmark files) read the sets through
-    clipfinetune/data/benchmarks/, below the evaluation: editing eval/ or models/ (e.g. models/lora.py) re-runs
+    """`shards` (the leakage check) and `evalsets` (the benchmark files) read the sets through
+    clipfinetune/data/evalsets/, below the evaluation: editing eval/ or models/ (e.g. models/lora.py) re-runs
     neither."""
     files = deps.stage_closure(deps.stage_script(BODIES[stage]))
-    assert "clipfinetune/data/benchmarks/sets.py" in files
+    assert "clipfinetune/data/evalsets/sets.py" in files
     assert not [f for f in files if f.startswith(("clipfinetune/eval/", "clipfinetune/models/"))], stage
 
 

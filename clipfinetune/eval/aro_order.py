@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from clipfinetune.data.benchmarks.retrieval import RetrievalSet
+from clipfinetune.data.evalsets.retrieval import RetrievalSet
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
 

@@ -1,6 +1,6 @@
 """Box (region) classification from RoIAlign'd dense features (CLIPSelf / FineCLIP, docs/evalsets.md §5).
 
-Readers (COCO instances, COCO panoptic, LVIS; which boxes count): `clipfinetune.data.benchmarks.box_cls`. Features: `model.region_features` on the squash-resized image, boxes
+Readers (COCO instances, COCO panoptic, LVIS; which boxes count): `clipfinetune.data.evalsets.box_cls`. Features: `model.region_features` on the squash-resized image, boxes
 mapped from original to input pixels by `clipfinetune.boxes.resize_boxes` (FineCLIP's transform).
 Classifier: the 63 ViLD templates ("This is " prefixed to texts starting with "a"/"the"), mean of
 normalised embeddings per class, renormalised; logits = region @ classifierᵀ. The text tower is the
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clipfinetune.data.benchmarks.box_cls import BoxSet
+from clipfinetune.data.evalsets.box_cls import BoxSet
 from clipfinetune.eval.encode import Encoder, fill_template
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import mean_per_class, topk_hits

@@ -1,5 +1,5 @@
 """Compositionality: SugarCrepe, ARO VG-Relation / VG-Attribution, VALSE, Winoground (docs/evalsets.md §4).
-COCO/Flickr-Order live in `aro_order.py`; the readers in `clipfinetune.data.benchmarks.compositionality`.
+COCO/Flickr-Order live in `aro_order.py`; the readers in `clipfinetune.data.evalsets.compositionality`.
 
 Tie rules follow each official script: SugarCrepe `pos > neg` (strict; ties wrong); ARO VG-R/VG-A
 `argmax([false, true]) == 1` (ties -> index 0 -> wrong); VALSE `s(caption) > s(foil)` (strict);

@@ -1,6 +1,6 @@
 """GOAL's global-local mAP@10 (`mAP_goal_jointtest.py`, docs/evalsets.md §7) in two modes.
 
-Test list (docs/evalsets.md §7.1, written by the `lism` stage, read by `clipfinetune.data.benchmarks.global_local`):
+Test list (docs/evalsets.md §7.1, written by the `lism` stage, read by `clipfinetune.data.evalsets.global_local`):
 global and local records, grouped by image.
 
 * mode "linked" (the intended protocol; reported as the headline): I2T - a global query's relevant
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from clipfinetune.data.benchmarks.global_local import JointRecord
+from clipfinetune.data.evalsets.global_local import JointRecord
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import average_precision_at_k

@@ -1,4 +1,4 @@
-"""Long-caption retrieval (DOCCI, DCI, Urban1k, GOAL lists; readers: `clipfinetune.data.benchmarks.long_retrieval`):
+"""Long-caption retrieval (DOCCI, DCI, Urban1k, GOAL lists; readers: `clipfinetune.data.evalsets.long_retrieval`):
 one caption per image, R@1/5/25/50 both directions as GOAL's `retrieval_goal.py` (docs/evalsets.md §3). Texts go through the model's own tokenizer,
 so a Long-CLIP-stretched model sees 248 tokens and a plain one truncates at 77.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from clipfinetune.data.benchmarks.retrieval import RetrievalSet
+from clipfinetune.data.evalsets.retrieval import RetrievalSet
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.retrieval import caption_ids, recall_from_ranks, retrieval_ranks

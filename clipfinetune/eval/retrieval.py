@@ -1,5 +1,5 @@
 """Image-text retrieval (COCO Karpathy 5K, Flickr30k 1K): I->T / T->I R@K (docs/evalsets.md §1.6, §1.7, §2) on a
-`RetrievalSet` (its readers: `clipfinetune.data.benchmarks.retrieval`).
+`RetrievalSet` (its readers: `clipfinetune.data.evalsets.retrieval`).
 
 I->T: an image query is a hit when ANY of its ground-truth captions is in the top K (min-rank over
 GT captions, BLIP `itm_eval`); T->I: a caption query is a hit when its image is in the top K.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from clipfinetune.data.benchmarks.retrieval import RetrievalSet
+from clipfinetune.data.evalsets.retrieval import RetrievalSet
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import negatives_ahead

@@ -72,7 +72,7 @@ class RecordingEncoder(Encoder):
         return torch.stack(out) if out else torch.zeros(0, 0)
 
 
-def plan_batches(model, benchmarks: dict, batch_size: int, text_model=None, text_encoder: str = "own",
+def plan_batches(model, evalsets: dict, batch_size: int, text_model=None, text_encoder: str = "own",
                  **suite_args) -> list[dict]:
     """Every batch the suite's encoders would compute, in order (step 1 above): the suite run over
     `RecordingEncoder`s. That pass scores placeholder vectors, so its per-benchmark log lines (chance-level numbers)
@@ -84,7 +84,7 @@ def plan_batches(model, benchmarks: dict, batch_size: int, text_model=None, text
     recorders = make_encoders(model, text_model, text_encoder, batch_size,
                               new=lambda m, b, tag: RecordingEncoder(m, b, tag, plan, dim))
     with _quiet(logging.getLogger("clipfinetune.eval.suite")):
-        evaluate_model(model, benchmarks, batch_size, text_model, text_encoder, encoders=recorders, **suite_args)
+        evaluate_model(model, evalsets, batch_size, text_model, text_encoder, encoders=recorders, **suite_args)
     return plan
 
 

@@ -1,6 +1,6 @@
 """The whole evaluation suite on one model: benchmark configs in, one nested metrics dict out.
 
-`benchmarks` has the shape of params.yaml `eval.benchmarks`: {task: {set name: {paths...}}}. A task or
+`evalsets` has the shape of params.yaml `eval.evalsets`: {task: {set name: {paths...}}}. A task or
 set that is missing or empty is skipped and listed under `"skipped"` (never silently); a configured
 benchmark whose files are missing is an error naming the file. Output keys (percent, 0-100):
   retrieval.<set>.{i2t,t2i}_r{1,5,10}          long_retrieval.<set>.{i2t,t2i}_r{1,5,25,50}
@@ -9,15 +9,15 @@ benchmark whose files are missing is an error naming the file. Output keys (perc
   compositionality.sugarcrepe.<set>.{<7 tasks>,mean}   compositionality.aro.<set>.{vg_relation,vg_attribution,coco_order}
   compositionality.valse.<set>.{<piece>,mean}          compositionality.winoground.<set>.{text,image,group}
   zeroshot.<set>.{acc1,acc5,mean_per_class}
-Reading a set is `clipfinetune.data.benchmarks.sets.read_set` (task -> its reader), shared with the leakage check and
-the benchmark manifest of stage `benchmarks`.
+Reading a set is `clipfinetune.data.evalsets.sets.read_set` (task -> its reader), shared with the leakage check and
+the benchmark manifest of stage `evalsets`.
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from clipfinetune.data.benchmarks.sets import ARO_ORDERS, read_set
+from clipfinetune.data.evalsets.sets import ARO_ORDERS, read_set
 from clipfinetune.eval import aro_order, box_cls, global_local, long_retrieval, retrieval, zeroshot
 from clipfinetune.eval import compositionality as comp
 from clipfinetune.eval.encode import PROTOCOL_RESIZE, Encoder
@@ -82,7 +82,7 @@ def make_encoders(model, text_model=None, text_encoder: str = "own", batch_size:
     raise ValueError(f"box_cls text_encoder must be own|base, got {text_encoder!r}")
 
 
-def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_model=None,
+def evaluate_model(model, evalsets: dict | None, batch_size: int = 128, text_model=None,
                    text_encoder: str = "own", aro_seed: int = 1, cache_dir=None, items: list | None = None,
                    encoders: tuple[Encoder, Encoder] | None = None) -> dict:
     """Run every configured benchmark. `text_model` (e.g. the base model) scores box classes when
@@ -90,15 +90,15 @@ def evaluate_model(model, benchmarks: dict | None, batch_size: int = 128, text_m
     preprocessing (ARO-Order's POS tags) persists between models; None recomputes it. `items`, when given,
     receives (metric prefix, Items) for every scored list: `clipfinetune.eval.items.to_frame` tabulates them.
     `encoders`: `make_encoders`' pair to use (e.g. with caches filled by eval/sharded.py); default new ones."""
-    benchmarks = benchmarks or {}
+    evalsets = evalsets or {}
     enc, text_enc = encoders or make_encoders(model, text_model, text_encoder, batch_size)
     metrics: dict = {"skipped": {}, "meta": {"box_cls_text_encoder": text_encoder}}
     skipped = metrics["skipped"]
-    unknown = set(benchmarks) - set(TASKS)
+    unknown = set(evalsets) - set(TASKS)
     if unknown:
         raise ValueError(f"unknown benchmark tasks in config: {sorted(unknown)} (known: {TASKS})")
     for task in TASKS:
-        sets = benchmarks.get(task) or {}
+        sets = evalsets.get(task) or {}
         if not sets:
             skipped[task] = "not configured"
             continue

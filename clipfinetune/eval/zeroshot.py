@@ -1,6 +1,6 @@
 """Zero-shot classification, open_clip / CLIP_benchmark style (docs/evalsets.md §6).
 
-Layout and templates: `clipfinetune.data.benchmarks.zeroshot` (ImageFolder, classnames.txt, templates).
+Layout and templates: `clipfinetune.data.evalsets.zeroshot` (ImageFolder, classnames.txt, templates).
 Classifier: per class, mean of the normalised template embeddings, renormalised (open_clip
 `build_zero_shot_classifier`). Metrics: acc1, acc5 (null with < 5 classes, as CLIP_benchmark's NaN),
 mean_per_class = mean per-class recall over classes present (sklearn `balanced_accuracy_score`).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from clipfinetune.data.benchmarks.zeroshot import ZeroShotSet
+from clipfinetune.data.evalsets.zeroshot import ZeroShotSet
 from clipfinetune.eval.encode import Encoder, text_classifier
 from clipfinetune.eval.items import Items, record
 from clipfinetune.eval.ranking import mean_per_class, topk_hits

@@ -145,9 +145,9 @@ def needed_paths(params: dict) -> list[tuple[str, str]]:
                 out.append((f"sources.{name}.{key}", str(spec[key])))
         for k, path in enumerate(spec.get("exclude") or []):
             out.append((f"sources.{name}.exclude[{k}]", str(path)))
-    for task, sets in (_get(params, "eval.benchmarks") or {}).items():
+    for task, sets in (_get(params, "eval.evalsets") or {}).items():
         for set_name, cfg in (sets or {}).items():
-            for key, value in _leaves(cfg, f"eval.benchmarks.{task}.{set_name}"):
+            for key, value in _leaves(cfg, f"eval.evalsets.{task}.{set_name}"):
                 out.append((key, value))
     if _get(params, "segments.sources") and _get(params, "segments.sam_checkpoint"):
         out.append(("segments.sam_checkpoint", str(_get(params, "segments.sam_checkpoint"))))
@@ -264,7 +264,7 @@ def parse_errors(d: Dataset, root: Path) -> list[str]:
                     if not read_source(d.name, check["source"]):
                         out.append(f"{check['source']}: no records")
                 elif "set" in check:
-                    from clipfinetune.data.benchmarks.sets import read_set
+                    from clipfinetune.data.evalsets.sets import read_set
 
                     read_set(check["set"], check["cfg"], d.name)
                 else:

@@ -18,7 +18,7 @@ lists each one with the `-S` that re-applies it. Recipes own those keys because 
 change another paper's run; a kept edit cannot break order independence, as no recipe sets its key.
 
 Merge rule (`recipe` and `apply`): mappings merge key by key, except the WHOLE units, which a profile replaces whole:
-`runs` (a recipe names its paper's runs and no other) and each task's sets `eval.benchmarks.<task>` (the sets named
+`runs` (a recipe names its paper's runs and no other) and each task's sets `eval.evalsets.<task>` (the sets named
 are every set of the task it scores; params.real.yaml names every task, so no sample-world set is scored on a real
 model). Scalars and lists replace; keys new to params.yaml are added.
 
@@ -45,7 +45,7 @@ from pathlib import Path
 REAL = "params.real.yaml"
 RECIPES = "recipes"
 # replaced whole by a profile, never merged key by key (key paths, `*` = any one key)
-WHOLE = (("runs",), ("eval", "benchmarks", "*"))
+WHOLE = (("runs",), ("eval", "evalsets", "*"))
 
 
 def _yaml():

@@ -178,11 +178,11 @@ def check_endpoint(base_url: str, model: str, timeout: float) -> list[Finding]:
     return []
 
 
-def _benchmark_paths(task: str, name: str, cfg, prefix: str):
+def _evalset_paths(task: str, name: str, cfg, prefix: str):
     """(key, value, kind) for every path-valued leaf of one benchmark set."""
     if isinstance(cfg, dict):
         for k, v in cfg.items():
-            yield from _benchmark_paths(task, name, v, f"{prefix}.{k}")
+            yield from _evalset_paths(task, name, v, f"{prefix}.{k}")
         return
     if not isinstance(cfg, str) or not cfg:
         return
@@ -230,12 +230,12 @@ def check(params: dict, root=".", timeout: float = 5.0, produced: list[str] | No
     elif backend not in ("rules", "server", "offline"):
         found.append(Finding("negatives.backend", f"{backend!r} is not one of rules|server|offline"))
 
-    benchmarks = _get(params, "eval.benchmarks") or {}
+    evalsets = _get(params, "eval.evalsets") or {}
     sets = set()
-    for task, by_set in benchmarks.items():
+    for task, by_set in evalsets.items():
         for name, cfg in (by_set or {}).items():
             sets.add(name)
-            for key, value, kind in _benchmark_paths(task, name, cfg, f"eval.benchmarks.{task}.{name}"):
+            for key, value, kind in _evalset_paths(task, name, cfg, f"eval.evalsets.{task}.{name}"):
                 found += check_path(key, value, kind, root, produced)
     report_set = _get(params, "eval.report.set")
     if report_set and report_set not in sets:
@@ -277,16 +277,16 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
             found.append(Finding("leakage", f"sources {unchecked} hold their images in tables or tars: not compared "
                                             "with the evaluation sets", missing=False))
         unreadable: dict = {}
-        evals = leakage.evaluation_sets(_get(params, "eval.benchmarks"), unreadable)
+        evals = leakage.evaluation_sets(_get(params, "eval.evalsets"), unreadable)
         for where, error in unreadable.items():
             task, name = where.split(".", 1)
-            cfg = (_get(params, "eval.benchmarks") or {})[task][name]
-            if not any(_is_produced(str(v), produced) for _, v, _ in _benchmark_paths(task, name, cfg, "") if v):
-                found.append(Finding(f"eval.benchmarks.{where}", f"not compared with the training images: {error}",
+            cfg = (_get(params, "eval.evalsets") or {})[task][name]
+            if not any(_is_produced(str(v), produced) for _, v, _ in _evalset_paths(task, name, cfg, "") if v):
+                found.append(Finding(f"eval.evalsets.{where}", f"not compared with the training images: {error}",
                                      missing=False))   # its missing files are named above
         overlaps, cost = leakage.find_overlaps(train, evals, cache_dir=DIGEST_CACHE)
     for o in overlaps:
-        found.append(Finding(f"eval.benchmarks.{o.eval_set}", f"LEAKAGE {o}"))
+        found.append(Finding(f"eval.evalsets.{o.eval_set}", f"LEAKAGE {o}"))
     found.append(Finding("leakage", f"{cost['train_images']} training images compared with {cost['eval_images']} "
                                     f"images of {len(evals)} evaluation sets: {len(overlaps)} overlapping; "
                                     f"{cost['files_hashed']} files hashed, {cost['digests_reused']} digests reused "

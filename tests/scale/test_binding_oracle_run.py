@@ -1,4 +1,4 @@
-"""`python -m benchmarks.binding_oracle` end to end on a tiny world and a random base (issue 35's probe): every
+"""`python -m research.binding_oracle` end to end on a tiny world and a random base (issue 35's probe): every
 variant trains the regime's steps and is scored on every metric the probe reports."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import binding_oracle
 from clipfinetune.models import export_model, load_model
 from clipfinetune.sample.world import WorldConfig, generate_world
+from research import binding_oracle
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -77,9 +77,9 @@ def test_metrics_diff_changes_only_those_models_and_summary(dag):
 
 
 def test_the_mulclip_terms_probe_follows_every_step_of_the_run(dag):
-    """benchmarks/mulclip_terms.py on the baseline's workspace: one record per optimiser step of train@mulclip, each
+    """research/mulclip_terms.py on the baseline's workspace: one record per optimiser step of train@mulclip, each
     with the three term groups' backbone gradients, cosines in [-1, 1] and a finite share of the global step."""
-    from benchmarks import mulclip_terms
+    from research import mulclip_terms
 
     repo = dag["repo"]
     data = json.loads((repo / "dvclive" / "train" / "mulclip" / "data.json").read_text())

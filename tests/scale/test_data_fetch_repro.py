@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dag
 
 PAPER = "harmoclip"
 SMALL = {"epochs": 1, "batch_size": 2, "warmup": 1}
-STAGES = {"plan@repro", "word_regions@coco", "pretrain", "code", "run_settings", "shards", "benchmarks",
+STAGES = {"plan@repro", "word_regions@coco", "pretrain", "code", "run_settings", "shards", "evalsets",
           f"train@{PAPER}", f"eval@{PAPER}", "eval_base", "report"}
 
 

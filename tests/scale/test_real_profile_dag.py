@@ -32,7 +32,7 @@ CPU = {
     "eval": {"batch_size": 64},
 }
 STAGES = {"plan@repro", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco",
-          "shards", "code", "run_settings", "train@clip", "benchmarks", "eval@clip"}
+          "shards", "code", "run_settings", "train@clip", "evalsets", "eval@clip"}
 
 
 def _json(path):

@@ -2,7 +2,7 @@
 project, reached through the `datasets` link as docs/real-data.md "Reproducing the papers" sets it up, committed so
 that each queued experiment's own workspace (.dvc/tmp/exps/...) has it too. The baseline runs `dvc repro eval@clip`;
 a queued `-S train.lr=...` experiment then re-runs exactly train@clip and eval@clip (and `plan@repro` and
-`benchmarks`, always; the data stages, the negatives and their answer cache untouched: they are up to date from the
+`evalsets`, always; the data stages, the negatives and their answer cache untouched: they are up to date from the
 committed dvc.lock) and records its metrics.
 Minutes on 2 cores: `make test-scale`."""
 from __future__ import annotations
@@ -60,8 +60,8 @@ def swept(tmp_path_factory):
 def test_the_queued_experiment_succeeds_and_reruns_only_training_and_its_eval(swept):
     assert "Success" in swept["status"], swept["status"] + swept["logs"][-3000:]
     ran = set(__import__("re").findall(r"Running stage '([^']+)'", swept["logs"]))
-    # plan@repro and benchmarks: always run; run_settings: re-resolves the runs (train.lr changed)
-    assert ran == {"plan@repro", "benchmarks", "run_settings", "train@clip", "eval@clip"}, swept["logs"][-3000:]
+    # plan@repro and evalsets: always run; run_settings: re-resolves the runs (train.lr changed)
+    assert ran == {"plan@repro", "evalsets", "run_settings", "train@clip", "eval@clip"}, swept["logs"][-3000:]
     assert swept["asked_in_exp"] == 0                      # negatives up to date: no LLM request, no lost cache
 
 

@@ -79,7 +79,7 @@ def test_returning_to_a_paper_trains_and_evaluates_nothing_again(papers):
     assert {"train@mulclip", "train@mulclip_global_only"} <= set(papers["ran"][f"{A}-lr"])
     assert "train.mulclip.lr: 2e-05 -> (none)" in papers["recipe_" + B]     # the sweep's edit, named, not carried
     ran = set(papers["ran"][f"{A}-back"])
-    assert ran <= {"plan@repro", "benchmarks", "report"}, ran
+    assert ran <= {"plan@repro", "evalsets", "report"}, ran
     log = papers["log"][f"{A}-back"]
     for stage in ("pretrain", "shards", "train@mulclip", "train@mulclip_global_only", "eval@mulclip",
                   "eval@mulclip_global_only", "eval_base"):

@@ -79,8 +79,8 @@ def _tables_unread(stages: list[DagStage], params: dict, runs: dict) -> list[str
     readers: set[str] = set()
     for run in runs.values():
         readers |= {base for _, base in _tables_needed(run)}
-    benchmarks = json.dumps(_get(params, "eval.benchmarks") or {})
-    if "data/evalsets/global_local" in benchmarks:
+    evalsets = json.dumps(_get(params, "eval.evalsets") or {})
+    if "data/evalsets/global_local" in evalsets:
         readers.add("lism")                           # lism also writes the global-local test list
     for base in list(readers):
         readers |= set(DOWNSTREAM.get(base, []))
@@ -99,13 +99,13 @@ def _sample_sets_on_real_model(params: dict) -> list[Refusal]:
     """A real model (model.pretrained set) scored on the sample world's sets: meaningless numbers in the report."""
     if not _get(params, "model.pretrained"):
         return []
-    keys = [f"eval.benchmarks.{task}.{name}" for task, by_set in (_get(params, "eval.benchmarks") or {}).items()
+    keys = [f"eval.evalsets.{task}.{name}" for task, by_set in (_get(params, "eval.evalsets") or {}).items()
             for name, cfg in (by_set or {}).items() if cfg and "data/sample" in json.dumps(cfg)]
     if not keys:
         return []
     fixes = [f"{k}: null" for k in keys] + (["eval.report.set: real"] if _get(params, "eval.report.set") == "sample"
                                             else [])
-    return [Refusal("", keys[0] if len(keys) == 1 else "eval.benchmarks",
+    return [Refusal("", keys[0] if len(keys) == 1 else "eval.evalsets",
                     f"{len(keys)} sample-world set(s) would score a real model (model.pretrained is set): "
                     f"{', '.join(keys)}", fixes)]
 

@@ -20,7 +20,7 @@ LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1", ""}
 ITEM_SCRIPTS = {"stages/segments.py", "stages/lism.py", "stages/eval.py"}
 
 
-MINOR = {"sample", "code", "benchmarks", "report"}     # seconds to minutes at any size: left out of the summary
+MINOR = {"sample", "code", "evalsets", "report"}     # seconds to minutes at any size: left out of the summary
 
 
 @dataclass

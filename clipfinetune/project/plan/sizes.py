@@ -289,7 +289,7 @@ def _item_row(row, st, params, gpus, most, hardware, device, kind, figures, reco
     row.ranks, row.gpus = most * hardware.nodes, gpus[:most]
     source = st.args.get("source")
     if st.script == "stages/eval.py":
-        sets = [f"{t}.{s}" for t, by in (_get(params, "eval.benchmarks") or {}).items() for s, cfg in (by or {}).items()
+        sets = [f"{t}.{s}" for t, by in (_get(params, "eval.evalsets") or {}).items() for s, cfg in (by or {}).items()
                 if cfg]
         row.items, row.items_what = len(sets), "benchmark sets"
         f = find_figure(figures, kind, "eval_images", str(_get(params, "model.name")))

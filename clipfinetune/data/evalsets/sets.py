@@ -1,5 +1,5 @@
-"""`read_set`: which reader each task of params `eval.benchmarks` uses, and what a configured set reads on disk
-(`benchmark_files`, `benchmark_manifest`: stage `benchmarks`, on which every eval@<model> depends)."""
+"""`read_set`: which reader each task of params `eval.evalsets` uses, and what a configured set reads on disk
+(`evalset_files`, `evalset_manifest`: stage `evalsets`, on which every eval@<model> depends)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clipfinetune.data.benchmarks import (
+from clipfinetune.data.evalsets import (
     box_cls,
     compositionality,
     global_local,
@@ -22,40 +22,40 @@ ARO_ORDERS = ("coco_order", "flickr_order")
 
 
 @dataclass(frozen=True)
-class BenchmarkSet:
+class EvalSet:
     """One configured set as its benchmark's own reader gives it: `data` for the task's evaluator, `images` every image
     file it scores."""
     data: Any
     images: list[str]
 
 
-def read_set(task: str, cfg: dict, name: str = "") -> BenchmarkSet:
-    """Read one configured set (`eval.benchmarks.<task>.<name>`) with its benchmark's reader: the one place that says
+def read_set(task: str, cfg: dict, name: str = "") -> EvalSet:
+    """Read one configured set (`eval.evalsets.<task>.<name>`) with its benchmark's reader: the one place that says
     which reader each task uses. The evaluation (`clipfinetune.eval.suite`), the leakage check
-    (`clipfinetune.leakage`) and the benchmark manifest (`benchmark_files`) all read sets through it, so they see the
+    (`clipfinetune.leakage`) and the benchmark manifest (`evalset_files`) all read sets through it, so they see the
     same files."""
     if task == "retrieval":
         data = retrieval.load_retrieval_set(cfg)
-        return BenchmarkSet(data, data.images)
+        return EvalSet(data, data.images)
     if task == "long_retrieval":
         data = long_retrieval.load_long_set(cfg)
-        return BenchmarkSet(data, data.images)
+        return EvalSet(data, data.images)
     if task == "global_local":
         data = global_local.read_joint_list(cfg["test_list"], cfg.get("images"))
-        return BenchmarkSet(data, [r.image[0] for r in data])
+        return EvalSet(data, [r.image[0] for r in data])
     if task in ("box_cls", "box_cls_hard"):
         data = box_cls.load_box_set(cfg)
-        return BenchmarkSet(data, [p for p, _ in data.images])
+        return EvalSet(data, [p for p, _ in data.images])
     if task in ("sugarcrepe", "valse"):
         read = compositionality.read_sugarcrepe if task == "sugarcrepe" else compositionality.read_valse
         data = read(cfg["dir"], cfg.get("images"))
-        return BenchmarkSet(data, [r["image"] for recs in data.values() for r in recs])
+        return EvalSet(data, [r["image"] for recs in data.values() for r in recs])
     if task == "winoground":
         data = compositionality.read_winoground(cfg["dir"])
-        return BenchmarkSet(data, [p for r in data for p in r["images"]])
+        return EvalSet(data, [p for r in data for p in r["images"]])
     if task == "zeroshot":           # a multi-dataset templates.json is keyed by the set's name
         data = zeroshot.read_image_folder(cfg["dir"], cfg.get("split", "test"), cfg.get("templates_key", name))
-        return BenchmarkSet(data, data.images)
+        return EvalSet(data, data.images)
     if task == "aro":
         data = {}
         if cfg.get("dir"):
@@ -63,7 +63,7 @@ def read_set(task: str, cfg: dict, name: str = "") -> BenchmarkSet:
         data.update({order: retrieval.read_blip_list(cfg[order], cfg.get(f"{order}_images"))
                      for order in ARO_ORDERS if cfg.get(order)})
         images = [p for _, keys in data.get("vg", {}).values() for p, _ in keys]
-        return BenchmarkSet(data, images + [p for order in ARO_ORDERS if order in data for p in data[order].images])
+        return EvalSet(data, images + [p for order in ARO_ORDERS if order in data for p in data[order].images])
     raise ValueError(f"unknown evaluation task {task!r}")
 
 
@@ -71,7 +71,7 @@ def _is_image_root(key: str) -> bool:
     return key == "images" or key.endswith("_images")
 
 
-def benchmark_files(task: str, cfg: dict, name: str = "") -> list[str]:
+def evalset_files(task: str, cfg: dict, name: str = "") -> list[str]:
     """Every file one configured set reads: the images its reader scores (`read_set`), and each configured path that is
     not an image root (`images`, `<x>_images`): an annotation file, or every file under an annotation folder
     (SugarCRepe's `dir`, ARO's, a zero-shot folder's class names and templates). Image files under such a folder count
@@ -92,24 +92,24 @@ def benchmark_files(task: str, cfg: dict, name: str = "") -> list[str]:
     return sorted(files)
 
 
-def benchmark_manifest(benchmarks: dict | None, cache_dir=None) -> tuple[dict, dict]:
-    """({"<task>.<set>": {file: [size, BLAKE2b]}} for every configured set of `eval.benchmarks`, what it cost:
+def evalset_manifest(evalsets: dict | None, cache_dir=None) -> tuple[dict, dict]:
+    """({"<task>.<set>": {file: [size, BLAKE2b]}} for every configured set of `eval.evalsets`, what it cost:
     {"files", "bytes", "files_hashed", "digests_reused"}). Digests are cached by (path, size, mtime) in
     `<cache_dir>/digests.sqlite` (`clipfinetune.digests.DigestCache`, shared with the leakage check), so an unchanged
     set costs one stat per file. A set whose files are missing is an error naming the file."""
     sets: dict[str, dict] = {}
     cache = DigestCache(cache_dir)
     try:
-        for task, by_set in sorted((benchmarks or {}).items()):
+        for task, by_set in sorted((evalsets or {}).items()):
             for name, cfg in sorted((by_set or {}).items()):
                 if not cfg:
                     continue
                 entry = sets[f"{task}.{name}"] = {}
-                for path in benchmark_files(task, dict(cfg), name):
+                for path in evalset_files(task, dict(cfg), name):
                     try:
                         st = os.stat(path)
                     except OSError as e:
-                        raise InputError(path, f"eval.benchmarks.{task}.{name}", f"cannot read: {e}") from e
+                        raise InputError(path, f"eval.evalsets.{task}.{name}", f"cannot read: {e}") from e
                     entry[path] = [st.st_size, cache.digest(path, st)]
         cost = {"files": sum(len(e) for e in sets.values()),
                 "bytes": sum(size for e in sets.values() for size, _ in e.values()),

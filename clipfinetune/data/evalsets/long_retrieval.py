@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clipfinetune.data.benchmarks.images import ImageResolver, resolve_image
-from clipfinetune.data.benchmarks.retrieval import RetrievalSet
+from clipfinetune.data.evalsets.images import ImageResolver, resolve_image
+from clipfinetune.data.evalsets.retrieval import RetrievalSet
 from clipfinetune.data.readers import dci, docci, urban1k
 from clipfinetune.io import InputError
 
@@ -55,7 +55,7 @@ def read_goal_list(path, images_root) -> RetrievalSet:
 
 
 def load_long_set(cfg: dict) -> RetrievalSet:
-    """`eval.benchmarks.long_retrieval.<set>`: one of `docci` (+ images), `dci` (root), `urban1k`
+    """`eval.evalsets.long_retrieval.<set>`: one of `docci` (+ images), `dci` (root), `urban1k`
     (root), `goal_list` (+ images); optional `split` (`splits` list for DOCCI), `dci_field`."""
     if cfg.get("docci"):
         return read_docci(cfg["docci"], cfg.get("images"), cfg.get("split", "test"), cfg.get("splits"))

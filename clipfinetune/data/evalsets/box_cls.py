@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from clipfinetune.boxes import clip_box, xywh_to_xyxy
-from clipfinetune.data.benchmarks.images import resolve_image
+from clipfinetune.data.evalsets.images import resolve_image
 from clipfinetune.io import InputError
 
 MIN_AREA, MAX_AREA = 8 ** 2, 1024 ** 2
@@ -131,7 +131,7 @@ def read_lvis(path, images_root) -> BoxSet:
 
 
 def load_box_set(cfg: dict) -> BoxSet:
-    """`eval.benchmarks.box_cls.<set>`: `instances` | `panoptic` (+ `panoptic_masks`) | `lvis`, + `images`."""
+    """`eval.evalsets.box_cls.<set>`: `instances` | `panoptic` (+ `panoptic_masks`) | `lvis`, + `images`."""
     if cfg.get("instances"):
         return read_instances(cfg["instances"], cfg.get("images"))
     if cfg.get("panoptic"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clipfinetune.data.benchmarks.images import resolve_image
+from clipfinetune.data.evalsets.images import resolve_image
 from clipfinetune.io import InputError
 
 SUGARCREPE_TASKS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")

@@ -1,6 +1,6 @@
 """Eval stages re-run when a benchmark file they read is edited in place, and only then: `dvc repro eval_base` on the
 tiny sample world with an external benchmark set (as a real profile's datasets/...), edited caption, rewritten image
-(stage `benchmarks` writes their digests to data/benchmarks.json, every eval depends on it). Minutes on 2 cores:
+(stage `evalsets` writes their digests to data/evalsets.json, every eval depends on it). Minutes on 2 cores:
 `make test-scale`."""
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     ext = repo / "datasets" / "ext"
     shutil.copytree(repo / "data" / "sample" / "images" / "val", ext / "images" / "val")
     shutil.copy(repo / "data" / "sample" / "karpathy" / "dataset_coco.json", ext / "dataset_coco.json")
-    write_params(repo, {"eval": {"benchmarks": {"retrieval": {"ext": {"karpathy": "datasets/ext/dataset_coco.json",
+    write_params(repo, {"eval": {"evalsets": {"retrieval": {"ext": {"karpathy": "datasets/ext/dataset_coco.json",
                                                                       "images": "datasets/ext/images"}}}}})
     first = RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout)
-    assert {"benchmarks", "eval_base"} <= set(first)
+    assert {"evalsets", "eval_base"} <= set(first)
     metrics = json.loads((repo / "metrics" / "base.json").read_text())
     assert "ext" in metrics["retrieval"]
     import pyarrow.parquet as pq
@@ -37,7 +37,7 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     assert meta[METRICS_KEY.encode()].decode() == (repo / "metrics" / "base.json").read_text()
 
     # unchanged: the manifest is re-listed, nothing else runs
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["evalsets"]
     assert json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout) == {}
 
     # a caption of the external set edited in place
@@ -45,15 +45,15 @@ def test_editing_a_benchmark_file_in_place_reruns_the_evals_and_only_then(tmp_pa
     test_image = next(im for im in data["images"] if im["split"] == "test")
     test_image["sentences"][0]["raw"] = "an edited caption"
     (ext / "dataset_coco.json").write_text(json.dumps(data))
-    run(repo, "dvc", "repro", "--single-item", "benchmarks")
+    run(repo, "dvc", "repro", "--single-item", "evalsets")
     status = json.loads(run(repo, "dvc", "status", "--json", "eval_base").stdout)
-    assert status == {"eval_base": [{"changed deps": {"data/benchmarks.json": "modified"}}]}
+    assert status == {"eval_base": [{"changed deps": {"data/evalsets.json": "modified"}}]}
     dry = RAN.findall(run(repo, "dvc", "repro", "--dry", "eval_base").stdout)
-    assert dry == ["benchmarks", "eval_base"]
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]
+    assert dry == ["evalsets", "eval_base"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["evalsets", "eval_base"]
 
     # an image of it rewritten in place (another picture, same name)
     image = ext / "images" / "val" / Path(test_image["filename"]).name
     shutil.copy(next(p for p in (ext / "images" / "val").iterdir() if p != image), image)
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks", "eval_base"]
-    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["benchmarks"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["evalsets", "eval_base"]
+    assert RAN.findall(run(repo, "dvc", "repro", "eval_base").stdout) == ["evalsets"]

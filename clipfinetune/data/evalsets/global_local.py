@@ -1,7 +1,7 @@
 """GOAL's joint global+local test list (docs/evalsets.md §7.1): the one reader and the one writer of its format.
 
 The `lism` stage writes it (`write_items` inside its work units, `place_files` and `write_test_list` when rank 0
-assembles them); the evaluation (`eval.global_local`, through `data.benchmarks.sets.read_set`) reads it back
+assembles them); the evaluation (`eval.global_local`, through `data.evalsets.sets.read_set`) reads it back
 (`read_joint_list`), as do the leakage check and the benchmark manifest. Below all of them, so LISM never
 depends on the evaluation's code.
 
@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from clipfinetune.data.benchmarks.images import AmbiguousImageName, ImageResolver
+from clipfinetune.data.evalsets.images import AmbiguousImageName, ImageResolver
 from clipfinetune.io import InputError, atomic_path
 
 PHOTOS, SEGMENTS = "photos", "segments"

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.binding_oracle`: is the sample world's binding headroom reachable? (issue 35)
+"""`python -m research.binding_oracle`: is the sample world's binding headroom reachable? (issue 35)
 
 A probe, not a stage: it reads a workspace's `data/sample/` and `models/base/` (run `dvc repro pretrain` first) and
 fine-tunes the base at the DEFAULT fine-tuning regime (params.yaml `train`: epochs, global batch, lr, warm-up, wd,
@@ -31,7 +31,7 @@ bag of (colour, shape) words bound differently (the only case in which in-batch 
 Targets (issue 35): the oracle reaches swap_att >= 75 and swap_obj >= 70 with docs/design.md §8's thresholds kept
 (zero-shot 8 shapes >= 90, 64-way >= 60, box top-1 >= 70, I->T R@1 >= 30, replace_obj >= 75).
 
-    python -m benchmarks.binding_oracle [--root .] [--variants clip binding oracle] [--out metrics.json]
+    python -m research.binding_oracle [--root .] [--variants clip binding oracle] [--out metrics.json]
 """
 from __future__ import annotations
 
@@ -47,13 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import method_run
 from clipfinetune.eval.encode import Encoder
 from clipfinetune.keys import lookup
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
-
-from .common import method_run
 
 THRESHOLDS = {"zeroshot.shape.acc1": 90, "zeroshot.sample.acc1": 60, "box_cls.sample.top1": 70,
               "retrieval.sample.i2t_r1": 30, "compositionality.sugarcrepe.sample.replace_obj": 75}
@@ -260,11 +259,11 @@ def rooted(spec: dict, root: Path) -> dict:
             for k, v in spec.items()}
 
 
-def evaluate(model, root: Path, benchmarks: dict, batch_size: int) -> dict:
-    """The suite on params.yaml's `eval.benchmarks` sets of the tasks the probe reports (EVAL_TASKS)."""
+def evaluate(model, root: Path, evalsets: dict, batch_size: int) -> dict:
+    """The suite on params.yaml's `eval.evalsets` sets of the tasks the probe reports (EVAL_TASKS)."""
     from clipfinetune.eval.suite import evaluate_model
 
-    sets = {task: rooted(benchmarks[task], root) for task in EVAL_TASKS}
+    sets = {task: rooted(evalsets[task], root) for task in EVAL_TASKS}
     metrics = evaluate_model(model.eval(), sets, batch_size)
     flat = {}
     for key in list(THRESHOLDS) + list(TARGETS) + ["compositionality.sugarcrepe.sample.mean",
@@ -314,8 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
         "same_bag_partners_train": same_bag_pairs(train_scenes),
         "same_bag_partners_pretrain": same_bag_pairs(pre),
         "regime": {k: train[k] for k in ("epochs", "batch_size", "lr", "warmup", "wd", "seed")}}}
-    benchmarks = params["eval"]["benchmarks"]
-    results["base"] = {**evaluate(base, root, benchmarks, 128), **diagnostics(base, root, train_files, train_scenes, pairs)}
+    evalsets = params["eval"]["evalsets"]
+    results["base"] = {**evaluate(base, root, evalsets, 128), **diagnostics(base, root, train_files, train_scenes, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
         with training_session(train, clip_run["precision"], args.device) as session:   # train@'s wiring
@@ -327,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  pair_weight=1.0 if variant == "oracle_pair" else 0)
             trainer = session.trainer(method, model, source, desc=variant)
             trainer.fit()
-        results[variant] = {"steps": trainer.step, **evaluate(model, root, benchmarks, 128),
+        results[variant] = {"steps": trainer.step, **evaluate(model, root, evalsets, 128),
                             **diagnostics(model, root, train_files, train_scenes, pairs)}
         print(variant, json.dumps(results[variant]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:

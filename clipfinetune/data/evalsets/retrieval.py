@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clipfinetune.data.benchmarks.images import resolve_image
+from clipfinetune.data.evalsets.images import resolve_image
 from clipfinetune.data.readers import coco, karpathy
 from clipfinetune.io import InputError
 
@@ -87,7 +87,7 @@ def read_coco_captions(path, images_root) -> RetrievalSet:
 
 
 def load_retrieval_set(cfg: dict) -> RetrievalSet:
-    """One benchmark entry of `eval.benchmarks.retrieval.<set>`: exactly one of
+    """One benchmark entry of `eval.evalsets.retrieval.<set>`: exactly one of
     `karpathy` | `coco_captions` | `blip` | `flickr_txt` | `flickr_token`, plus `images` (and optional `split`)."""
     root = cfg.get("images")
     if cfg.get("karpathy"):

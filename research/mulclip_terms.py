@@ -1,4 +1,4 @@
-"""`python -m benchmarks.mulclip_terms`: what MulCLIP's local terms do to the backbone during its run (issue 35).
+"""`python -m research.mulclip_terms`: what MulCLIP's local terms do to the backbone during its run (issue 35).
 
 A probe, not a stage: it reads a workspace's `params.yaml`, `data/shards/` and `models/base/` (run `dvc repro
 shards pretrain` first) and trains a MulCLIP run exactly as `train@<run>` does (the run's settings from
@@ -15,7 +15,7 @@ reported apart): each group's gradient norm, the cosine of the word / sub gradie
 share of the clipped update that the global gradient keeps (its component along the summed gradient, after the
 clip). The step itself is the run's (all terms), so the trajectory is the run's, not three separate ones.
 
-    python -m benchmarks.mulclip_terms [--root .] [--run mulclip] [--out terms.json]
+    python -m research.mulclip_terms [--root .] [--run mulclip] [--out terms.json]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Eval stages depend on the benchmark files they read: `clipfinetune.data.benchmarks.sets.benchmark_files` lists them by each
-benchmark's own reader, stage `benchmarks` writes their sizes and digests to data/benchmarks.json, and every
+"""Eval stages depend on the benchmark files they read: `clipfinetune.data.evalsets.sets.evalset_files` lists them by each
+benchmark's own reader, stage `evalsets` writes their sizes and digests to data/evalsets.json, and every
 eval@<model> depends on that file. Unit tests on the evaluation test world; the DVC run on the tiny sample world that edits a configured benchmark
-file in place and checks which stages re-run is tests/scale/test_benchmark_rerun.py (minutes).
+file in place and checks which stages re-run is tests/scale/test_evalset_rerun.py (minutes).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fixtures.eval import world
 from fixtures.eval.fakes import write_image
 
 from clipfinetune import leakage
-from clipfinetune.data.benchmarks.sets import benchmark_files, benchmark_manifest, read_set
+from clipfinetune.data.evalsets.sets import evalset_files, evalset_manifest, read_set
 from clipfinetune.io import InputError
 from clipfinetune.project import profile
 
@@ -54,7 +54,7 @@ EXPECTED = {   # the files each set of tests/fixtures/eval/world.py reads (Karpa
 
 @pytest.mark.parametrize("task,name", sorted(EXPECTED))
 def test_benchmark_files_are_the_annotation_files_and_the_scored_images(bench, tmp_path, task, name):
-    assert _rel(benchmark_files(task, bench[task][name], name), tmp_path) == EXPECTED[(task, name)]
+    assert _rel(evalset_files(task, bench[task][name], name), tmp_path) == EXPECTED[(task, name)]
 
 
 def test_the_leakage_check_compares_the_images_the_evaluation_scores(bench, tmp_path):
@@ -67,17 +67,17 @@ def test_the_leakage_check_compares_the_images_the_evaluation_scores(bench, tmp_
 
 def test_the_manifest_changes_exactly_when_a_file_changes(bench, tmp_path):
     cache = tmp_path / "cache"
-    first, cost = benchmark_manifest(bench, cache)
+    first, cost = evalset_manifest(bench, cache)
     assert set(first) == {f"{t}.{n}" for t, n in EXPECTED}                 # box_cls_hard: {} is no set
     assert cost["files"] == sum(map(len, EXPECTED.values()))
     assert cost["files_hashed"] == len(set().union(*EXPECTED.values()))   # a file two sets read is hashed once
-    again, cost = benchmark_manifest(bench, cache)
+    again, cost = evalset_manifest(bench, cache)
     assert again == first and cost["files_hashed"] == 0                   # cached: one stat per file
     image = tmp_path / "images" / "val" / "31.png"
     os.utime(image, ns=(1, 1))                                            # touched, same bytes: same manifest
-    assert benchmark_manifest(bench, cache)[0] == first
+    assert evalset_manifest(bench, cache)[0] == first
     write_image(image, 77)                                                # edited in place
-    edited, _ = benchmark_manifest(bench, cache)
+    edited, _ = evalset_manifest(bench, cache)
     changed = {(s, f) for s in first for f in first[s] if first[s][f] != edited[s][f]}
     assert changed == {("sugarcrepe.sample", str(image))}
 
@@ -85,7 +85,7 @@ def test_the_manifest_changes_exactly_when_a_file_changes(bench, tmp_path):
 def test_a_missing_benchmark_file_is_an_error_naming_it(bench, tmp_path):
     (tmp_path / "images" / "val" / "40.png").unlink()
     with pytest.raises(InputError, match="40.png"):
-        benchmark_manifest({"box_cls": bench["box_cls"]}, tmp_path / "cache")
+        evalset_manifest({"box_cls": bench["box_cls"]}, tmp_path / "cache")
 
 
 NO_LISM = {"segments": {"sources": []}, "lism": {"sources": []}}     # the sample world without GOAL's data stages
@@ -103,10 +103,10 @@ def _leaves(node):
 
 @pytest.mark.parametrize("names", PROFILES, ids=lambda n: "+".join("no_lism" if isinstance(x, dict) else Path(x).stem
                                                                    for x in n) or "sample")
-def test_every_stage_that_writes_a_configured_benchmark_file_runs_before_the_benchmarks_stage(tmp_path, names):
+def test_every_stage_that_writes_a_configured_benchmark_file_runs_before_the_evalsets_stage(tmp_path, names):
     """The manifest must be written after the stages that write benchmark files (DAG order): in every profile (the
     committed params.yaml + the profiles, as `clipfinetune recipe` writes them), a stage whose output holds a
-    configured benchmark path is upstream of stage `benchmarks`."""
+    configured benchmark path is upstream of stage `evalsets`."""
     import networkx as nx
     import yaml
     from dvc.repo import Repo
@@ -119,11 +119,11 @@ def test_every_stage_that_writes_a_configured_benchmark_file_runs_before_the_ben
     Repo.init(str(tmp_path), no_scm=True)
     with Repo(str(tmp_path)) as repo:
         graph = repo.index.graph                                   # edges: a stage -> the stages it depends on
-        (bench,) = [s for s in graph if s.name == "benchmarks"]
+        (bench,) = [s for s in graph if s.name == "evalsets"]
         assert bench.always_changed
         upstream = nx.descendants(graph, bench)
         writers = 0
-        for value in _leaves(params["eval"]["benchmarks"]):
+        for value in _leaves(params["eval"]["evalsets"]):
             for stage in graph:
                 if any(Path(value) == Path(o.def_path) or Path(o.def_path) in Path(value).parents for o in stage.outs):
                     assert stage in upstream, (names, value, stage.name)
