@@ -49,7 +49,7 @@ from torch import nn
 
 from benchmarks.common import method_run
 from clipfinetune.eval.encode import Encoder
-from clipfinetune.keys import lookup
+from clipfinetune.keys import lookup, respell
 from clipfinetune.methods.clip import ClipMethod
 from clipfinetune.sample import compositional
 from clipfinetune.sample.scene import Scene
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     root = Path(args.root)
     sample = root / "data" / "sample"
-    params = yaml.safe_load((root / "params.yaml").read_text())
+    params = respell(yaml.safe_load((root / "params.yaml").read_text()), str(root / "params.yaml"))
     clip_run = method_run(params, "clip")
     train = dict(clip_run["train"])
     train.update(epochs=args.epochs or train["epochs"], lr=args.lr or train["lr"])

@@ -42,6 +42,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from clipfinetune.keys import BothSpellings, respell
+
 REAL = "params.real.yaml"
 RECIPES = "recipes"
 # replaced whole by a profile, never merged key by key (key paths, `*` = any one key)
@@ -60,25 +62,27 @@ def _yaml():
 def load(path) -> dict:
     """A params/profile file as ruamel's round-trip tree (comments kept)."""
     with open(path) as f:
-        return loads(f.read())
+        return loads(f.read(), str(path))
 
 
-def loads(text: str) -> dict:
-    tree = _yaml().load(text) or {}
+def loads(text: str, where: str = "params") -> dict:
+    tree = respell(_yaml().load(text) or {}, where)
     _restyle(tree)
     return tree
 
 
 def load_plain(path) -> dict:
-    return _safe_load(Path(path).read_text())
+    return _safe_load(Path(path).read_text(), str(path))
 
 
-def _safe_load(text: str) -> dict:
+def _safe_load(text: str, where: str = "params") -> dict:
     """Plain dicts, read as DVC reads params.yaml (ruamel, YAML 1.2: `2e-05`, as `dvc exp run -S` writes it, is a
-    float; PyYAML's YAML 1.1 would read a string and write it back quoted)."""
+    float; PyYAML's YAML 1.1 would read a string and write it back quoted). Every reader of a params or profile file
+    goes through here or `loads`, so a key's older spelling (keys.RENAMED: `eval.benchmarks`) is read as the current
+    one, and written so."""
     from ruamel.yaml import YAML
 
-    return YAML(typ="safe").load(text) or {}
+    return respell(YAML(typ="safe").load(text) or {}, where)
 
 
 def _is_whole(path: tuple, whole=WHOLE) -> bool:
@@ -281,11 +285,11 @@ def recipe(paper: str, params_path="params.yaml", base_ref: str | None = None, d
         raise SystemExit(f"no recipe {paper!r} in {root / RECIPES} (recipes: {', '.join(found)})")
     real = load_plain(root / REAL)
     text, commit = committed_base(params_path, base_ref)
-    base = _safe_load(text)
+    base = _safe_load(text, f"{params_path} at {commit}")
     applied = {name: layered(base, real, content) for name, (_, content) in found.items()}
     intended = applied[paper]
     changed = deep_merge(copy.deepcopy(base), layered({}, real, found[paper][1]), whole=WHOLE)
-    tree = loads(text)
+    tree = loads(text, f"{params_path} at {commit}")
     for path in (root / REAL, found[paper][0]):
         deep_merge(tree, load(path), whole=WHOLE)
 
@@ -361,9 +365,13 @@ def main(argv=None, prog: str = "python -m clipfinetune.project.profile") -> int
     a.add_argument("--params", default="params.yaml")
     a.add_argument("--dry-run", action="store_true", help="only list the keys that would change")
     args = p.parse_args(argv)
-    if args.cmd == "recipe":
-        return run_recipe(args)
-    changed = apply(args.profile, args.params, args.dry_run)
+    try:
+        if args.cmd == "recipe":
+            return run_recipe(args)
+        changed = apply(args.profile, args.params, args.dry_run)
+    except BothSpellings as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
     verb = "would change" if args.dry_run else "changed"
     print(f"{args.params}: {verb} {len(changed)} keys" + "".join(f"\n  {k}" for k in changed))
     return 0

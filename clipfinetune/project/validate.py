@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from clipfinetune.keys import lookup
+from clipfinetune.keys import BothSpellings, lookup, respell
 
 FILE_SUFFIXES = (".json", ".jsonl", ".jsonlines", ".parquet", ".pt", ".pth", ".safetensors", ".bin", ".txt", ".tsv")
 DIR_KEYS = ("images", "dir", "dci", "urban1k", "coco_order_images")
@@ -306,7 +306,11 @@ def main(argv=None) -> int:
     if not params_path.is_file():
         print(f"MISSING  {params_path} does not exist")
         return 1
-    params = yaml.safe_load(params_path.read_text()) or {}
+    try:
+        params = respell(yaml.safe_load(params_path.read_text()) or {}, str(params_path))
+    except BothSpellings as e:
+        print(f"MISSING  {e}")
+        return 1
     root = Path(args.root) if args.root else params_path.resolve().parent
     findings = check(params, root, args.timeout)
     for f in findings:

@@ -38,6 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from clipfinetune import compute as rules
+from clipfinetune.keys import BothSpellings, respell
 from clipfinetune.project.plan.checks import (
     _declared_params,
     _missing_inputs,
@@ -306,7 +307,11 @@ def main(argv=None) -> int:
         print(f"clipfinetune plan: {params_path} does not exist", file=sys.stderr)
         return 1
     root = Path(args.root) if args.root else params_path.resolve().parent
-    params = yaml.safe_load(params_path.read_text()) or {}
+    try:
+        params = respell(yaml.safe_load(params_path.read_text()) or {}, str(params_path))
+    except BothSpellings as e:
+        print(f"clipfinetune plan: {e}", file=sys.stderr)
+        return 1
     seen, name = visible_hardware() if args.gpus is None or args.gpu_kind is None else (0, "cpu")
     gpus = seen if args.gpus is None else args.gpus
     kind = args.gpu_kind or (name if seen else ("cpu" if gpus == 0 else "unknown GPU (--gpu-kind)"))
