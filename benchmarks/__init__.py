@@ -16,7 +16,7 @@ newest run's rows with that run's date, command and machine):
    seconds per 1024 x 768 image (`fig5_real`; only with `--only 5`).
 
 Standalone: `python -m benchmarks.cpu_precision` (bf16 autocast against fp32 on this CPU: a contrastive step of the
-tiny CLIP, interleaved) and `python -m research.binding_oracle` (the binding probe: docs/research/binding-headroom.md).
+tiny CLIP, interleaved). The research probes are `research/` (docs/research/).
 
 Scratch files go to `benchmarks/_work/` (gitignored). The machine is a small shared CPU box: OpenMP threads are
 told to sleep when idle (spinning threads made steps ~4x slower when the cores are shared).

@@ -1,5 +1,5 @@
 """Content digests of files (BLAKE2b), cached by (path, size, mtime) in one SQLite file: the leakage check's content
-test and the benchmark manifest hash a file once, and a re-check costs one stat per file."""
+test and the evaluation-set manifest hash a file once, and a re-check costs one stat per file."""
 from __future__ import annotations
 
 import hashlib

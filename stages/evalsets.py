@@ -1,9 +1,9 @@
 """Stage `evalsets`: every file the configured evaluation sets read -> data/evalsets.json
 ({"<task>.<set>": {file: [size, BLAKE2b]}}, `clipfinetune.data.evalsets.sets.evalset_manifest`).
 
-DVC cannot take a profile's benchmark files as deps (they are nested under `eval.evalsets` and differ per profile),
-so this stage runs on every `dvc repro` (always_changed) and eval@<model> depends on its output, which changes only
-when a benchmark file does: an edited benchmark file re-runs every eval, an unchanged one none. Digests are cached
+DVC cannot take a profile's evaluation-set files as deps (they are nested under `eval.evalsets` and differ per
+profile), so this stage runs on every `dvc repro` (always_changed) and eval@<model> depends on its output, which
+changes only when one of those files does: an edited file re-runs every eval, an unchanged one none. Digests are cached
 (data/cache/leakage, shared with the leakage check), so a re-run costs one stat per file.
 Run by hand: python stages/evalsets.py --stage evalsets
 """

@@ -5,7 +5,7 @@ user's three commands exactly as the README writes them: `dvc repro`, `dvc exp r
 One module-scoped fixture runs them once (every stage, with five of the runs: clip, fsc_clip and its ablation
 fsc_lhn_only, which inherits lambda_L, degla and the mix custom, so `make test` stays short;
 tests/scale/test_dag_experiment.py runs all 12 with the report's claims); the tests read what it recorded (stage
-`evalsets` is always changed: it re-lists the benchmark files on every repro, and its unchanged output re-runs
+`evalsets` is always changed: it re-lists the evaluation-set files on every repro, and its unchanged output re-runs
 nothing):
   - a second `dvc repro` runs only `evalsets` and `dvc status` shows nothing else;
   - every run's dvclive curves render in `dvc plots show`;

@@ -4,8 +4,8 @@ benchmarks/README.md names exists.
 
 A path is recognised in backticks, in fenced code blocks and as a markdown link target: a token with a '/' whose
 first folder is one of the repository's top-level entries (or a hidden folder), or a token ending in .py, .md,
-.yaml, .yml, .toml or .sh; a dotted name starting with `clipfinetune.`, `benchmarks.` or `stages.` must resolve to
-a module (and its last parts to a name that module mentions). Outputs that DVC or the benchmarks produce (data/,
+.yaml, .yml, .toml or .sh; a dotted name starting with one of MODULE_ROOTS (`clipfinetune.`, `research.`, ...) must
+resolve to a module (and its last parts to a name that module mentions). Outputs that DVC or the benchmarks produce (data/,
 models/, metrics/, reports/, dvclive/, checkpoints/, benchmarks/_work/, benchmarks/results.json), the .venv/ that make
 creates, the user's own datasets/, templates (`<run>`, `{a,b}`, `*`, `$R`) and paths outside the repository (absolute, `~`, URLs) are not
 checked. docs/methods.md and docs/evalsets.md quote the authors' repositories' files: there only paths under one of

@@ -1,7 +1,8 @@
-"""Eval stages depend on the benchmark files they read: `clipfinetune.data.evalsets.sets.evalset_files` lists them by each
-benchmark's own reader, stage `evalsets` writes their sizes and digests to data/evalsets.json, and every
-eval@<model> depends on that file. Unit tests on the evaluation test world; the DVC run on the tiny sample world that edits a configured benchmark
-file in place and checks which stages re-run is tests/scale/test_evalset_rerun.py (minutes).
+"""Eval stages depend on the evaluation-set files they read: `clipfinetune.data.evalsets.sets.evalset_files` lists
+them by each set's own reader, stage `evalsets` writes their sizes and digests to data/evalsets.json, and every
+eval@<model> depends on that file. Unit tests on the evaluation test world; the DVC run on the tiny sample world that
+edits a configured evaluation-set file in place and checks which stages re-run is tests/scale/test_evalset_rerun.py
+(minutes).
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def _leaves(node):
 @pytest.mark.parametrize("names", PROFILES, ids=lambda n: "+".join("no_lism" if isinstance(x, dict) else Path(x).stem
                                                                    for x in n) or "sample")
 def test_every_stage_that_writes_a_configured_benchmark_file_runs_before_the_evalsets_stage(tmp_path, names):
-    """The manifest must be written after the stages that write benchmark files (DAG order): in every profile (the
+    """The manifest must be written after the stages that write evaluation-set files (DAG order): in every profile (the
     committed params.yaml + the profiles, as `clipfinetune recipe` writes them), a stage whose output holds a
     configured benchmark path is upstream of stage `evalsets`."""
     import networkx as nx

@@ -35,7 +35,7 @@ PAPER_RUNS = {"harmoclip": {"harmoclip"}, "fsc_clip": {"fsc_clip", "fsc_lhn_only
 # the data stages each paper's runs read (dvc.yaml runs `<stage>@<source>` for each listed source), and no other
 PAPER_DATA_STAGES = {"harmoclip": {"word_regions@coco"}, "fsc_clip": set(), "degla": {"negatives@coco"},
                      "goal": {"sentences@docci", "segments@docci", "lism@docci"}, "mulclip": {"sentences@docci"}}
-# what every paper needs besides: the base weights, the method code digests, shards, the benchmark manifest, the
+# what every paper needs besides: the base weights, the method code digests, shards, the evaluation-set manifest, the
 # base's evaluation and the report (no sample world: nothing of a real run reads data/sample)
 EVERY_RECIPE = {"plan@repro", "pretrain", "code", "run_settings", "shards", "evalsets", "eval_base", "report"}
 WEIGHTS = "datasets/weights/clip-tiny"          # stands in for every pretrained checkpoint (and LISM's matcher)

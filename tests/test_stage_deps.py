@@ -74,7 +74,7 @@ def test_a_module_a_stage_does_not_import_is_not_in_its_code():
 
 @pytest.mark.parametrize("stage", ["shards", "evalsets"])
 def test_the_stages_that_only_read_evaluation_sets_load_neither_the_evaluation_nor_the_model(stage):
-    """`shards` (the leakage check) and `evalsets` (the benchmark files) read the sets through
+    """`shards` (the leakage check) and `evalsets` (the evaluation-set files) read the sets through
     clipfinetune/data/evalsets/, below the evaluation: editing eval/ or models/ (e.g. models/lora.py) re-runs
     neither."""
     files = deps.stage_closure(deps.stage_script(BODIES[stage]))

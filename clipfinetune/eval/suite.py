@@ -10,7 +10,7 @@ benchmark whose files are missing is an error naming the file. Output keys (perc
   compositionality.valse.<set>.{<piece>,mean}          compositionality.winoground.<set>.{text,image,group}
   zeroshot.<set>.{acc1,acc5,mean_per_class}
 Reading a set is `clipfinetune.data.evalsets.sets.read_set` (task -> its reader), shared with the leakage check and
-the benchmark manifest of stage `evalsets`.
+the evaluation-set manifest of stage `evalsets`.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The `lism` stage writes it (`write_items` inside its work units, `place_files` and `write_test_list` when rank 0
 assembles them); the evaluation (`eval.global_local`, through `data.evalsets.sets.read_set`) reads it back
-(`read_joint_list`), as do the leakage check and the benchmark manifest. Below all of them, so LISM never
+(`read_joint_list`), as do the leakage check and the evaluation-set manifest. Below all of them, so LISM never
 depends on the evaluation's code.
 
 The list: every global record first, `{filename: photos/<name>, caption: <long caption>}`, then one local record per

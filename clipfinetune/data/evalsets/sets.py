@@ -32,7 +32,7 @@ class EvalSet:
 def read_set(task: str, cfg: dict, name: str = "") -> EvalSet:
     """Read one configured set (`eval.evalsets.<task>.<name>`) with its benchmark's reader: the one place that says
     which reader each task uses. The evaluation (`clipfinetune.eval.suite`), the leakage check
-    (`clipfinetune.leakage`) and the benchmark manifest (`evalset_files`) all read sets through it, so they see the
+    (`clipfinetune.leakage`) and the evaluation-set manifest (`evalset_files`) all read sets through it, so they see the
     same files."""
     if task == "retrieval":
         data = retrieval.load_retrieval_set(cfg)
