@@ -58,7 +58,8 @@ def figure_of(row: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    ap.add_argument("--only", default="1,2,3", help="comma-separated figures to run (default 1,2,3; 4 needs --dag; 5 = real size, ~15 min)")
+    ap.add_argument("--only", default="1,2,3",
+                    help="comma-separated figures to run (default 1,2,3; 4 needs --dag; 5 = real size, ~15 min)")
     ap.add_argument("--dag", action="store_true", help="also run figure 4: `dvc repro` from scratch in a tmp copy")
     ap.add_argument("--keep", action="store_true", help="figure 4: keep the DAG's tmp copy (to run experiments in it)")
     ap.add_argument("--pairs", type=int, default=3, help="figure 1: interleaved ours/open_clip run pairs")

@@ -5,8 +5,8 @@ every part in one command at a tiny size (`--tiny`, what CI runs), saying so.
 Parts, in order, each catching its own errors and writing its rows as it finishes (a run stopped mid-way keeps them):
 1. env: the device, the packages each part needs (`NEEDS`) and what is missing.
 2. the miniature real profile (tests/fixtures/real_tree.py's tree, params.real.yaml applied with
-   `clipfinetune.project.profile`, compute shrunk by `overrides`): `dvc repro shards` on cuda, SAM vit_b with random weights
-   (thresholds 0, so random masks still give segments), LISM, a fake OpenAI-compatible server for the negatives.
+   `clipfinetune.project.profile`, compute shrunk by `overrides`): `dvc repro shards` on cuda, SAM vit_b with random
+   weights (thresholds 0, so random masks still give segments), LISM, a fake OpenAI-compatible server for the negatives.
 3. the step table: every method's `Trainer.train_step` (ViT-B-16 random init, 224 px, bf16) at per-rank batch 128
    and 2 on a batch its `make_example` builds from part 2's shards (every annotation is there), against a bf16
    GEMM's rate; the figures as calibration rows (`<out>/calibration.json`, and benchmarks/calibration.json on a GPU).

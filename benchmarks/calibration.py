@@ -3,10 +3,11 @@
 
 A figure: {"device": the device's name as the run saw it ("NVIDIA H200", "cpu"), "what": train_step | segments |
 eval_images | lism_crops | loader | word_regions | sentences | paper_run, "arch", "method" (where they apply),
-"batch" (optional: the per-rank batch a train_step, or train_step_compiled under torch.compile, was measured at; a step below ~32 per GPU is latency-bound, so
-the plan interpolates between the small-batch floor and the batch-128 rate), "value", "unit", "per" (GPU | process |
-worker | run), "settings" (what was measured), "source" (the command, the machine, the date)}. `paper_run` is not a
-measurement: a paper's stated cost of one run, printed beside the plan's estimate.
+"batch" (optional: the per-rank batch a train_step, or train_step_compiled under torch.compile, was measured at; a step
+below ~32 per GPU is latency-bound, so the plan interpolates between the small-batch floor and the batch-128 rate),
+"value", "unit", "per" (GPU | process | worker | run), "settings" (what was measured), "source" (the command, the
+machine, the date)}. `paper_run` is not a measurement: a paper's stated cost of one run, printed beside the plan's
+estimate.
 
 `record()` replaces the figures of the same (device, what, arch, method, batch) and keeps the others: the acceptance
 run's rows (`python -m benchmarks.acceptance`, in this schema with `batch`), `python -m benchmarks --gpu`'s step

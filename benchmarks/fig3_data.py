@@ -92,7 +92,8 @@ def caption(rng: random.Random, counts: Counter) -> str:
     objs = list(counts)
     rng.shuffle(objs)
     subj = phrase(objs[0]) if rng.random() < 0.7 else "a " + rng.choice(SUBJECTS)
-    obj = phrase(objs[1]) if len(objs) > 1 and rng.random() < 0.7 else f"the {rng.choice(['table', 'road', 'wall', 'grass', 'sky', 'water'])}"
+    obj = (phrase(objs[1]) if len(objs) > 1 and rng.random() < 0.7
+           else f"the {rng.choice(['table', 'road', 'wall', 'grass', 'sky', 'water'])}")
     text = f"{subj} {rng.choice(VERBS)} {obj} {rng.choice(PLACES)}".strip()
     if rng.random() < 0.1:
         text = text.replace(" ", "  ", 1)
@@ -187,7 +188,8 @@ def sentences_bench(n: int = 600, log=print) -> Row:
     return Row("3 sentences stage (long captions/s)", n / dt, None, None, "info", None, "captions/s",
                {"captions": n, "mean_words": words, "seconds": dt, "sentences": meta["rows"],
                 "docci_15k_estimate_s": 15000 / (n / dt)},
-               [(f"in process: clipfinetune.data.prepare.sentences.split_sentences(benchmarks.fig3_data.synth_long_captions({n}))"
+               [("in process: clipfinetune.data.prepare.sentences.split_sentences("
+                 f"benchmarks.fig3_data.synth_long_captions({n}))"
                 " after one warm-up call (spaCy load untimed)")])
 
 
@@ -223,7 +225,8 @@ def shard_write_bench(n: int = 400, log=print) -> Row:
     log(f"  fig3 shards: {n} samples, {mb:.1f} MB in {dt:.2f} s")
     return Row("3 shard writing (MB/s)", mb / dt, None, None, "info", None, "MB/s",
                {"samples": n, "mb": mb, "seconds": dt, "samples_per_s": n / dt},
-               [(f"in process: clipfinetune.data.prepare.shards.write_shards(<{n} samples of data/shards, images extracted to "
+               [(f"in process: clipfinetune.data.prepare.shards.write_shards(<{n} samples of data/shards, "
+                "images extracted to "
                 "benchmarks/_work/shard_src>, benchmarks/_work/shard_out, maxcount=100, val_fraction=0.05)")])
 
 

@@ -51,7 +51,8 @@ def write_records(root, n: int, size: tuple[int, int], n_boxes: int):
             boxes[image_id].append(box)
         image.save(root / f"{image_id}.jpg", quality=90)
         texts[image_id] = [f"A {c} shape number {j} lies on the grey ground." for j, c in
-                           enumerate(rng.sample(["red", "blue", "green", "yellow", "pink", "brown"], rng.randint(3, 6)))]
+                           enumerate(rng.sample(["red", "blue", "green", "yellow", "pink", "brown"],
+                                                rng.randint(3, 6)))]
         records.append(Record("docci", image_id, f"{image_id}.jpg", root, split=image_id.split("_")[0],
                               long_caption=" ".join(texts[image_id])))
     return records, texts, boxes

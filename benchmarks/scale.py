@@ -6,8 +6,8 @@ long descriptions (32 x 32 JPEGs, 6-9 sentences each), times `F` of it (`--fract
 CPU stages' library code on it, each in its own forked process so its peak RSS is its own:
 word_regions, sentences, shards (per source, with index.json), `epoch_coverage` (what `clipfinetune plan`
 computes from the index: batch 256, 8 ranks x 8 workers, every (image, caption) pair), leakage (content digests of
-every training image against a 5,000-image evaluation set), one loader epoch at `train.epoch_unit: method` (plain CLIP: every
-(image, caption) pair once, batch 256, 2 workers, a trivial transform: the data path, not the model), and the
+every training image against a 5,000-image evaluation set), one loader epoch at `train.epoch_unit: method` (plain CLIP:
+every (image, caption) pair once, batch 256, 2 workers, a trivial transform: the data path, not the model), and the
 negatives client against 34A's local stub (`benchmarks.fig6_negatives.run_client_against_stub`, one request per
 caption, 256 in flight). Prints each stage's wall time and peak RSS; targets on 2 cores: <= 15 min and < 8 GB.
 Scratch: benchmarks/_work/scale-<F>/ (replaced each run).

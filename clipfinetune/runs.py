@@ -2,7 +2,7 @@
 train@<run> trains with. The caller passes the params mapping (the library never reads params.yaml).
 
     resolve_runs(params)["fsc_lhn_only"] == {"method": "fsc_clip",
-        "config": {"lambda_g": 0.0, "lambda_l": 0.5, "focal_gamma": 2.0, "label_smoothing": 0.02},   # constructor kwargs
+        "config": {"lambda_g": 0.0, "lambda_l": 0.5, "focal_gamma": 2.0, "label_smoothing": 0.02},  # constructor kwargs
         "train": {"epochs": 2, "batch_size": 64, "lr": 2e-4, ...},        # train.* merged with train.fsc_clip.*
         "precision": "auto"}                                              # model.precision, as configured
 

@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
         "same_bag_partners_pretrain": same_bag_pairs(pre),
         "regime": {k: train[k] for k in ("epochs", "batch_size", "lr", "warmup", "wd", "seed")}}}
     evalsets = params["eval"]["evalsets"]
-    results["base"] = {**evaluate(base, root, evalsets, 128), **diagnostics(base, root, train_files, train_scenes, pairs)}
+    results["base"] = {**evaluate(base, root, evalsets, 128),
+                       **diagnostics(base, root, train_files, train_scenes, pairs)}
     print(json.dumps(results, indent=1), flush=True)
     for variant in args.variants:
         with training_session(train, clip_run["precision"], args.device) as session:   # train@'s wiring

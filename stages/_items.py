@@ -2,9 +2,9 @@
 
 `compute.device` (auto | cpu | cuda; params.yaml's hardware group, which no stage declares: stages/_common.py) goes
 through the one device rule (`clipfinetune.distributed`): under torchrun each rank takes `cuda:LOCAL_RANK` when CUDA
-is used, else the CPU. A stage is started as every GPU's rank (`_common.start(..., ranks=ITEMS)`). The items are split into fixed work
-units across the ranks; parts live under data/cache/<stage>/<fingerprint>/ (`clipfinetune.parts`), outside DVC's
-outputs, so a killed run resumes from them; rank 0 merges them and writes the outputs.
+is used, else the CPU. A stage is started as every GPU's rank (`_common.start(..., ranks=ITEMS)`). The items are split
+into fixed work units across the ranks; parts live under data/cache/<stage>/<fingerprint>/ (`clipfinetune.parts`),
+outside DVC's outputs, so a killed run resumes from them; rank 0 merges them and writes the outputs.
 """
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ def load_exported(name: str, device="cpu"):
 
 
 def main() -> None:
-    args, params, log = start(__doc__, lambda a: "eval_base" if a.model == "base" else f"eval@{a.model}", lambda p: p.add_argument(
+    args, params, log = start(
+        __doc__, lambda a: "eval_base" if a.model == "base" else f"eval@{a.model}", lambda p: p.add_argument(
         "--model", required=True, help="folder under models/ (base, clip, harmoclip, ...)"), ITEMS)
     threads = host.count("eval_threads")      # the host's, not a param: a changed count re-runs no stage
     if threads:

@@ -5,7 +5,8 @@ starts the queue (`dvc queue start -j <jobs>`), waits until nothing is queued or
 experiment's metrics/summary.json from `dvc exp show --json` and writes reports/seeds.md and metrics/seeds.json
 (clipfinetune/report/seeds.py). `train.seed` is declared
 by the train@<run> stages only, so an experiment re-runs the 12 train@ runs, their eval@ stages and report;
-sample, the data stages, pretrain and eval_base come from the cache. Run from the project root after `make run` (the baseline must be committed: experiments start from HEAD):
+sample, the data stages, pretrain and eval_base come from the cache. Run from the project root after `make run` (the
+baseline must be committed: experiments start from HEAD):
     python stages/seeds.py --k 3              # seeds 0 1 2 (`make seeds K=3`)
     python stages/seeds.py --collect-only     # only re-aggregate experiments seed0.. that already ran
 """

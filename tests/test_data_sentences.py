@@ -62,7 +62,8 @@ def test_duplicate_ids_are_an_input_error():
 
 def test_docci_reader_keeps_splits_and_rejects_bad_lines(tmp_path):
     p = tmp_path / "docci_descriptions.jsonlines"
-    p.write_text('{"example_id": "train_00000", "split": "train", "image_file": "train_00000.jpg", "description": "A."}\n'
+    p.write_text('{"example_id": "train_00000", "split": "train", "image_file": "train_00000.jpg", '
+                 '"description": "A."}\n'
                  '{"example_id": "test_00000", "split": "test", "image_file": "test_00000.jpg", "description": "B."}\n')
     assert [r.image_id for r in docci.read(p)] == ["train_00000", "test_00000"]
     assert [(r.image, r.split) for r in docci.read(p, splits=("train",))] == [("train_00000.jpg", "train")]
@@ -78,7 +79,8 @@ def test_dci_urban1k_sharegpt4v_readers(tmp_path):
     dci_root = tmp_path / "densely_captioned_images"
     (dci_root / "complete").mkdir(parents=True)
     (dci_root / "complete" / "sa_1.json").write_text(json.dumps(
-        {"image": "sa_1.jpg", "short_caption": "A door.", "extra_caption": "The door is blue. Ivy grows.", "mask_data": {}}))
+        {"image": "sa_1.jpg", "short_caption": "A door.", "extra_caption": "The door is blue. Ivy grows.",
+         "mask_data": {}}))
     (dci_root / "splits.json").write_text(json.dumps({"train": ["sa_1.json"], "test": []}))
     (r,) = dci.read(dci_root, splits=["train"])
     assert (r.image_id, r.source, r.long_caption, r.path, r.split) == (

@@ -60,7 +60,8 @@ def test_one_sample_per_training_image_with_every_annotation(built):
         assert "." not in key and set(s) == {"__shard__", "jpg", "json", "txt"}
         rec = json.loads(s["json"])
         assert set(rec) == KEYS and key == f"{rec['source']}_{rec['image_id']}"
-        assert all(isinstance(rec[k], list) for k in ("captions", "word_regions", "sentences", "local_pair", "negatives"))
+        assert all(isinstance(rec[k], list)
+                   for k in ("captions", "word_regions", "sentences", "local_pair", "negatives"))
     coco = json.loads(samples["coco_3"]["json"])
     assert coco["captions"] == ["A red circle number 3.", "Two squares and a circle 3."]
     assert samples["coco_3"]["txt"] == b"A red circle number 3."
@@ -78,7 +79,8 @@ def test_docci_sample_sentences_summary_and_local_pair(built):
     long = "A blue star on grass. It is 3.5 cm wide. Dr. Who drew it 3."
     rec = json.loads(samples["docci_train_00003"]["json"])
     assert rec["long_caption"] == long and rec["captions"] == [] and rec["word_regions"] == []
-    assert [s["text"] for s in rec["sentences"]] == ["A blue star on grass.", "It is 3.5 cm wide.", "Dr. Who drew it 3."]
+    assert [s["text"] for s in rec["sentences"]] == ["A blue star on grass.", "It is 3.5 cm wide.",
+                                                     "Dr. Who drew it 3."]
     assert all(long[s:e] == t["text"] for t in rec["sentences"] for s, e in [t["char_span"]])
     assert samples["docci_train_00003"]["txt"] == b"A blue star on grass."     # the summary sentence
     assert rec["local_pair"] == [{"sentence_index": 1, "box": [5.0, 6.0, 25.0, 30.0]}]       # chosen region

@@ -36,20 +36,24 @@ def test_schema_and_span_of_a_plural():
 
 
 def test_irregular_plurals_match_and_lookalikes_do_not():
-    anns = [{"image_id": 1, "category_id": 2, "bbox": [0, 0, 5, 5]}, {"image_id": 1, "category_id": 3, "bbox": [0, 0, 5, 5]}]
+    anns = [{"image_id": 1, "category_id": 2, "bbox": [0, 0, 5, 5]},
+            {"image_id": 1, "category_id": 3, "bbox": [0, 0, 5, 5]}]
     frame, _ = run(anns, [(1, "Three mice under clear skies."), (1, "Skis and a MOUSE.")])
     assert words(frame) == [(0, "mice", "mouse"), (1, "Skis", "ski"), (1, "MOUSE", "mouse")]
 
 
 def test_multi_word_categories_are_spans_and_consume_their_tokens():
-    anns = [{"image_id": 1, "category_id": 4, "bbox": [0, 0, 5, 5]}, {"image_id": 1, "category_id": 5, "bbox": [1, 1, 5, 5]},
+    anns = [{"image_id": 1, "category_id": 4, "bbox": [0, 0, 5, 5]},
+            {"image_id": 1, "category_id": 5, "bbox": [1, 1, 5, 5]},
             {"image_id": 1, "category_id": 6, "bbox": [2, 2, 5, 5]}]
     frame, _ = run(anns, [(1, "Two traffic lights near a teddy bear."), (1, "A bear and the light of traffic.")])
-    assert words(frame) == [(0, "traffic lights", "traffic light"), (0, "teddy bear", "teddy bear"), (1, "bear", "bear")]
+    assert words(frame) == [(0, "traffic lights", "traffic light"), (0, "teddy bear", "teddy bear"),
+                            (1, "bear", "bear")]
 
 
 def test_several_matched_words_give_several_rows_and_unmatched_captions_are_counted():
-    anns = [{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]}, {"image_id": 1, "category_id": 8, "bbox": [0, 0, 9, 9]},
+    anns = [{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]},
+            {"image_id": 1, "category_id": 8, "bbox": [0, 0, 9, 9]},
             {"image_id": 2, "category_id": 7, "bbox": [0, 0, 9, 9]}]
     frame, meta = run(anns, [(1, "A circle in a box."), (1, "Nothing to see."), (2, "A man walks."), (2, "A box.")])
     assert words(frame) == [(0, "circle", "circle"), (0, "box", "box")]
@@ -91,7 +95,8 @@ def test_full_spacy_pipeline_agrees_with_the_lookup_path():
 
 
 def test_parallel_chunks_give_the_sequential_result(monkeypatch):
-    anns = [{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]}, {"image_id": 2, "category_id": 8, "bbox": [1, 1, 5, 5]}]
+    anns = [{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]},
+            {"image_id": 2, "category_id": 8, "bbox": [1, 1, 5, 5]}]
     caps = [(1 + k % 2, f"{k} circles and boxes") for k in range(60)]
     seq, _ = run(anns, caps, processes=1)
     monkeypatch.setattr(wrmod, "PARALLEL_MIN_CAPTIONS", 10)
@@ -175,7 +180,8 @@ def test_an_empty_result_keeps_the_schema_dtypes():
     frame, meta = run([{"image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5]}], [(1, "Nothing here.")])
     expected = pd.DataFrame([], columns=COLUMNS).astype(
         {"image_id": "int64", "caption_id": "int64", "caption_index": "int32", "char_start": "int32",
-         "char_end": "int32", "category_id": "int32", "x0": "float32", "y0": "float32", "x1": "float32", "y1": "float32"})
+         "char_end": "int32", "category_id": "int32", "x0": "float32", "y0": "float32", "x1": "float32",
+         "y1": "float32"})
     pd.testing.assert_frame_equal(frame, expected)
     assert meta["rows"] == 0 and meta["captions_dropped_no_match"] == 1
 

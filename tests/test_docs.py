@@ -5,11 +5,11 @@ benchmarks/README.md names exists.
 A path is recognised in backticks, in fenced code blocks and as a markdown link target: a token with a '/' whose
 first folder is one of the repository's top-level entries (or a hidden folder), or a token ending in .py, .md,
 .yaml, .yml, .toml or .sh; a dotted name starting with one of MODULE_ROOTS (`clipfinetune.`, `research.`, ...) must
-resolve to a module (and its last parts to a name that module mentions). Outputs that DVC or the benchmarks produce (data/,
-models/, metrics/, reports/, dvclive/, checkpoints/, benchmarks/_work/, benchmarks/results.json), the .venv/ that make
-creates, the user's own datasets/, templates (`<run>`, `{a,b}`, `*`, `$R`) and paths outside the repository (absolute, `~`, URLs) are not
-checked. docs/methods.md and docs/evalsets.md quote the authors' repositories' files: there only paths under one of
-our top-level entries are checked.
+resolve to a module (and its last parts to a name that module mentions). Outputs that DVC or the benchmarks produce
+(data/, models/, metrics/, reports/, dvclive/, checkpoints/, benchmarks/_work/, benchmarks/results.json), the .venv/
+that make creates, the user's own datasets/, templates (`<run>`, `{a,b}`, `*`, `$R`) and paths outside the repository
+(absolute, `~`, URLs) are not checked. docs/methods.md and docs/evalsets.md quote the authors' repositories' files:
+there only paths under one of our top-level entries are checked.
 
 Citations of documents, in every text file of the repository (code, tests, docs, params, recipes): a Markdown document
 named with an upper-case name (`DEVELOPERS.md`) or by a path under a top-level entry (`docs/methods.md`), or an
@@ -295,7 +295,8 @@ def test_the_citation_check_recognises_missing_documents_and_sections():
     problems = citation_problems(text, "clipfinetune/losses/goal.py", files)
     assert problems == [                            # line 2 holds a citation across a line break: lines 4 and 5
         f"4: {shared} is outside the repository",
-        f"4: {old_name}.md is not a document of the repository", f"4: {old_name}.md is not a document of the repository",
+        f"4: {old_name}.md is not a document of the repository",
+        f"4: {old_name}.md is not a document of the repository",
         f"4: {old_design}.md is not a document of the repository",
         "5: docs/methods.md has no section 3.9", "5: docs/design.md has no section 12.7",
         "5: docs/design.md has no section 13", "5: docs/nowhere.md is not a document of the repository",

@@ -124,7 +124,8 @@ def test_panoptic_keeps_crowd_segments_labels_by_sorted_ids_and_reads_100_segmen
                                      "area": 2000}] + things[98:]                      # 101 segments
     pj = {"images": [{"id": 1, "file_name": "000000000001.jpg", "height": 40, "width": 200}],
           "annotations": [{"image_id": 1, "file_name": "000000000001.png", "segments_info": segs}],
-          "categories": [{"id": 199, "name": "wall-other-merged", "isthing": 0}, {"id": 18, "name": "dog", "isthing": 1},
+          "categories": [{"id": 199, "name": "wall-other-merged", "isthing": 0},
+                         {"id": 18, "name": "dog", "isthing": 1},
                          {"id": 1, "name": "person", "isthing": 1}]}
     (tmp_path / "panoptic_val2017.json").write_text(json.dumps(pj))
     d = box_sets.load_box_set({"panoptic": str(tmp_path / "panoptic_val2017.json"), "images": str(tmp_path / "val2017"),
@@ -169,9 +170,11 @@ def test_vg_relation_macro_excludes_symmetric_and_vga_needs_25(tmp_path):
     # a tie (true and false both id40) is wrong: ARO argmax picks index 0 = false caption
     vga = ([{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "attributes": ["red", "blue"],
              "true_caption": "id41 t", "false_caption": "id40 f"}] * 20
-           + [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "attributes": ["red", "blue"],
+           + [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8,
+               "attributes": ["red", "blue"],
                "true_caption": "id40 t", "false_caption": "id40 f"}] * 5
-           + [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8, "attributes": ["big", "small"],
+           + [{"image_path": "vg.png", "bbox_x": 0, "bbox_y": 0, "bbox_w": 8, "bbox_h": 8,
+               "attributes": ["big", "small"],
                "true_caption": "id40 t", "false_caption": "id41 f"}] * 24)
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
     (tmp_path / "visual_genome_attribution.json").write_text(json.dumps(vga))
@@ -191,7 +194,8 @@ def test_vg_crops_the_image_to_the_box(tmp_path):
             "true_caption": "id41 yes", "false_caption": "id40 no"} for x in (0, 16)]
     (tmp_path / "visual_genome_relation.json").write_text(json.dumps(vgr))
     enc = Encoder(FakeModel(world.perfect_image_vec, world.perfect_text_vec), 8)
-    assert comp.evaluate_vg(enc, comp_sets.read_vg(tmp_path, tmp_path / "images"))["vg_relation_micro"] == pytest.approx(50.0)
+    assert comp.evaluate_vg(enc, comp_sets.read_vg(tmp_path, tmp_path / "images"))["vg_relation_micro"] \
+        == pytest.approx(50.0)
 
 
 def test_valse_filter_drops_low_agreement_samples(tmp_path):
@@ -340,8 +344,10 @@ def test_retrieval_from_a_coco_captions_file_keeps_every_image_with_its_captions
     (tmp_path / "captions_val2017.json").write_text(json.dumps({
         "images": [{"id": 285, "file_name": "000000000285.jpg", "width": 8, "height": 8},
                    {"id": 139, "file_name": "000000000139.jpg", "width": 8, "height": 8}],
-        "annotations": [{"id": 3, "image_id": 285, "caption": "a bear"}, {"id": 1, "image_id": 139, "caption": "a room"},
+        "annotations": [{"id": 3, "image_id": 285, "caption": "a bear"},
+                        {"id": 1, "image_id": 139, "caption": "a room"},
                         {"id": 2, "image_id": 285, "caption": "  a  brown bear "}]}))
-    data = retrieval_sets.load_retrieval_set({"coco_captions": str(tmp_path / "captions_val2017.json"), "images": str(tmp_path)})
+    data = retrieval_sets.load_retrieval_set({"coco_captions": str(tmp_path / "captions_val2017.json"),
+                                              "images": str(tmp_path)})
     assert [p.rsplit("/", 1)[-1] for p in data.images] == ["000000000139.jpg", "000000000285.jpg"]
     assert data.captions == ["a room", "a bear", "a brown bear"] and data.caption_image == [0, 1, 1]

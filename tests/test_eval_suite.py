@@ -176,7 +176,8 @@ def test_items_have_unique_stable_ids_that_pair_two_models(bench):
     frame_b = to_frame(found)
     key = ["benchmark", "part", "item"]
     assert not frame_a.duplicated(key).any()
-    assert frame_a[key].sort_values(key).reset_index(drop=True).equals(frame_b[key].sort_values(key).reset_index(drop=True))
+    assert frame_a[key].sort_values(key).reset_index(drop=True).equals(
+        frame_b[key].sort_values(key).reset_index(drop=True))
     sc = frame_a[frame_a["benchmark"] == "compositionality.sugarcrepe.sample"]
     assert set(sc["part"]) == {"swap_att", "add_obj"} and sc["value"].eq(1.0).all()
 

@@ -1,8 +1,8 @@
 """The package's import graph has no circle: no module reaches itself through the modules it imports, and no two
 subpackages (`clipfinetune.data`, `clipfinetune.eval`, ...; a top-level module counts as its own) import each other.
 Imports inside functions count as much as those at module level: they are the same dependency, only later, and the
-code digests (clipfinetune/project/deps.py) follow both. A circle ties the modules in it to one another's edits (a `shards` stage
-re-run by a model edit) and leaves no order in which to read or change them."""
+code digests (clipfinetune/project/deps.py) follow both. A circle ties the modules in it to one another's edits (a
+`shards` stage re-run by a model edit) and leaves no order in which to read or change them."""
 from __future__ import annotations
 
 import shutil

@@ -29,7 +29,8 @@ def tree(tmp_path):
     karpathy = []
     for n, cid in enumerate((42, 73)):
         name = f"COCO_val2014_{cid:012d}.jpg"
-        _image(tmp_path / "val2014" / name, (250, 10 * n, 90))      # other bytes than train2017/42: only the id is shared
+        # other bytes than train2017/42: only the id is shared
+        _image(tmp_path / "val2014" / name, (250, 10 * n, 90))
         karpathy.append({"filepath": "val2014", "filename": name, "imgid": n, "cocoid": cid, "split": "test",
                          "sentences": [{"raw": "a photo"}]})
     (tmp_path / "dataset_coco.json").write_text(json.dumps({"images": karpathy}))

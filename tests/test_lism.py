@@ -301,9 +301,11 @@ def test_units_give_the_same_results_and_test_files_at_any_rank_count_and_worker
     by_rank = {}
     for rank in range(2):
         mine = units_of_rank(len(units), rank, 2)
-        by_rank.update(zip(mine, Matcher(model, texts, boxes, 2, tmp_path / "two", workers=2)([units[k] for k in mine])))
+        by_rank.update(zip(mine, Matcher(model, texts, boxes, 2, tmp_path / "two",
+                                         workers=2)([units[k] for k in mine])))
     assert [by_rank[k] for k in range(len(units))] == single
-    tests_of_rank = [sum("test" in r for k in units_of_rank(len(units), rank, 2) for r in by_rank[k]) for rank in (0, 1)]
+    tests_of_rank = [sum("test" in r for k in units_of_rank(len(units), rank, 2) for r in by_rank[k])
+                     for rank in (0, 1)]
     assert min(tests_of_rank) > 0                        # both ranks wrote test items: the tail is in the units
     assert _files(tmp_path / "one") == _files(tmp_path / "two") and _files(tmp_path / "one")
 
@@ -373,7 +375,8 @@ sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!
 from test_lism import _world
 from clipfinetune.data.prepare.lism import Matcher
 records, texts, boxes, model = _world(Path({str(tmp_path)!r}), n=7)
-units = Matcher(model, texts, boxes, 2, Path({str(tmp_path / "files")!r}), workers=2)([records[i:i + 2] for i in range(0, 7, 2)])
+units = Matcher(model, texts, boxes, 2, Path({str(tmp_path / "files")!r}), workers=2)(\
+[records[i:i + 2] for i in range(0, 7, 2)])
 next(units)
 print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
 time.sleep(300)

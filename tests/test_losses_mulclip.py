@@ -160,7 +160,8 @@ def test_subcaption_aggregated_patch_matches_reference():
     v, _ = ref_calibrated(loss, f)
     sub = [[ref._vec(f["sub_text"][b, i].detach()) for i in range(S)] for b in range(B)]
     valid = [[bool(x) for x in r] for r in f["sub_valid"]]
-    assert out["subcaption_patch"].item() == pytest.approx(1.3 * ref.sap([v[b] for b in range(B)], sub, valid, 3.0, -1.5),
+    assert out["subcaption_patch"].item() == pytest.approx(1.3 * ref.sap([v[b] for b in range(B)], sub, valid,
+                                                                         3.0, -1.5),
                                               rel=1e-5)
     assert loss.stats["n_subcaptions"] == int(f["sub_valid"].sum())
 

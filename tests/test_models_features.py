@@ -126,7 +126,8 @@ def test_dense_map_equals_hand_written_attention_free_last_block(base, images):
 def test_roi_align_of_a_one_patch_box_returns_that_patch(base, images):
     patch = base.patch_size
     cells = [(0, 0), (3, 5), (7, 7)]
-    boxes = torch.tensor([[c * patch, r * patch, (c + 1) * patch, (r + 1) * patch] for r, c in cells], dtype=torch.float)
+    boxes = torch.tensor([[c * patch, r * patch, (c + 1) * patch, (r + 1) * patch] for r, c in cells],
+                         dtype=torch.float)
     with torch.no_grad():
         dense = base.dense_features(images)
         regions = base.region_features(images, [boxes, boxes[:1]])

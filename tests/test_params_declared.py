@@ -196,7 +196,8 @@ def test_only_the_resolver_declares_loss_or_training_keys(declared):
     for stage, keys in declared.items():
         if stage.startswith("train@"):              # its own keep_checkpoint (above)
             continue
-        assert not [k for k in keys if k.split(".")[0] in ("loss", "train", "runs") and (stage, k) not in WHOLE_GROUP_OK], \
+        assert not [k for k in keys
+                    if k.split(".")[0] in ("loss", "train", "runs") and (stage, k) not in WHOLE_GROUP_OK], \
             stage
 
 

@@ -1,5 +1,5 @@
-"""`clipfinetune plan` (clipfinetune/project/plan/) without a GPU: every recipe (recipes/*.yaml over params.real.yaml over
-the committed params.yaml) on the miniature real tree (tests/fixtures/real_tree.py) x 1, 2, 7, 8 GPUs passes or
+"""`clipfinetune plan` (clipfinetune/project/plan/) without a GPU: every recipe (recipes/*.yaml over params.real.yaml
+over the committed params.yaml) on the miniature real tree (tests/fixtures/real_tree.py) x 1, 2, 7, 8 GPUs passes or
 refuses with the param and a fix, never a batch that stops training after the data stages; each refusal the plan
 promises has a case that triggers it; the committed sample params pass on the CPU through the command line.
 
@@ -326,7 +326,8 @@ def test_the_project_tools_name_no_method():
 def test_the_committed_sample_params_pass_on_the_cpu_through_the_command_line(tree):
     path = tree["root"] / "params.yaml"
     path.write_text(committed("params.yaml"))
-    proc = subprocess.run([sys.executable, "-m", "clipfinetune.project.plan", "--params", str(path), "--gpus", "0", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "clipfinetune.project.plan", "--params", str(path), "--gpus", "0",
+                           "--json"],
                           cwd=tree["root"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)

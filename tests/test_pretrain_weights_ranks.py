@@ -1,6 +1,7 @@
 """`pretrain` with real weights (`model.pretrained` set) at any rank count: it only exports the weights, so it runs as
 one process whatever `compute.nproc` says (it stopped before with "declared params never read: compute.device"),
-leaving models/base equal to the given weights. Under torchrun by hand (2 gloo ranks): tests/scale/test_pretrain_torchrun.py."""
+leaving models/base equal to the given weights. Under torchrun by hand (2 gloo ranks):
+tests/scale/test_pretrain_torchrun.py."""
 from __future__ import annotations
 
 import os

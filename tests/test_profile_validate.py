@@ -1,4 +1,5 @@
-"""The real-data profile (params.real.yaml), `clipfinetune.project.profile apply` and `clipfinetune.project.validate`."""
+"""The real-data profile (params.real.yaml), `clipfinetune.project.profile apply` and
+`clipfinetune.project.validate`."""
 from __future__ import annotations
 
 import shutil

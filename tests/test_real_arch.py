@@ -60,7 +60,8 @@ def test_shallow_models_keep_the_real_geometry(name, fixture, request):
     model = request.getfixturevalue(fixture)
     size, patch, side, vision_width, text_width, embed = GEOMETRY[name]
     assert (model.image_size, model.patch_size, model.grid) == (size, patch, (side, side))
-    assert model.clip.visual.conv1.out_channels == vision_width and model.clip.token_embedding.embedding_dim == text_width
+    assert (model.clip.visual.conv1.out_channels == vision_width
+            and model.clip.token_embedding.embedding_dim == text_width)
     assert model.embed_dim == embed and model.context_length == 77
     with torch.device("meta"):                                    # the full-depth model: layout only
         full = open_clip.create_model(name, device="meta")
@@ -311,7 +312,8 @@ def eva_reference(clip, x, dense: bool):
 def test_eva02_geometry_tokens_and_dense_features_match_timm(eva):
     assert type(eva.clip).__name__ == "CustomTextCLIP" and type(eva.clip.visual.trunk).__name__ == "Eva"
     assert (eva.image_size, eva.patch_size, eva.grid, eva.embed_dim, eva.context_length) == (224, 16, (14, 14), 512, 77)
-    assert eva.clip.visual.trunk.patch_embed.proj.out_channels == 768 and eva.text_tower.ln_final.normalized_shape == (512,)
+    assert (eva.clip.visual.trunk.patch_embed.proj.out_channels == 768
+            and eva.text_tower.ln_final.normalized_shape == (512,))
     x = torch.stack([eva.transform(random_image(i, W, H)) for i in range(2)])
     text = eva.tokenize(["a red circle in the top right corner", CAPTION])
     with torch.no_grad():

@@ -53,7 +53,8 @@ def test_mean_and_sample_sd_per_claim_and_headline_by_hand():
     assert h["ret_i2t_r1"]["mean"] == 43.0 and h["ret_i2t_r1"]["sd"] == pytest.approx(math.sqrt(13))
     assert h["box_top1"] == {"mean": None, "sd": None, "n": 0}
     md = seeds.render_markdown(agg)
-    assert "| harmoclip | box_cls_beats_clip | harmoclip > clip | 62.0 ± 2.0 | 51.0 ± 1.7 | +11.0 ± 1.0 | holds 2, inconclusive 1 |" in md
+    assert ("| harmoclip | box_cls_beats_clip | harmoclip > clip | 62.0 ± 2.0 | 51.0 ± 1.7 | +11.0 ± 1.0 | "
+            "holds 2, inconclusive 1 |") in md
     assert "| clip | 43.0 ± 3.6 | – |" in md
     json.dumps(agg)
 

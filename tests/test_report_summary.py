@@ -16,7 +16,8 @@ HALF = np.tile([1.0, 0.0], N // 2)                 # every other item right: 50%
 def model(ret=HALF, t2i=HALF, long_t2i=HALF, long_i2t=HALF, box=HALF, sc=(HALF, HALF[:10]), zs=HALF):
     """(metrics dict, item table) of a model from per-item outcomes: `ret`/`t2i`/`long_*` 1.0 = rank 1 (hit),
     0.0 = rank 2; `box`/`zs` top-1 hits; `sc` the hits of two SugarCrepe files (sizes 40 and 10)."""
-    ret, t2i, long_t2i, long_i2t, box, zs = (np.asarray(a, dtype=float) for a in (ret, t2i, long_t2i, long_i2t, box, zs))
+    ret, t2i, long_t2i, long_i2t, box, zs = (np.asarray(a, dtype=float)
+                                             for a in (ret, t2i, long_t2i, long_i2t, box, zs))
     ids = [f"{i:03d}" for i in range(N)]
     rows = [("retrieval.sample", Items("i2t", "rank", ids, 2 - ret)),
             ("retrieval.sample", Items("t2i", "rank", ids, 2 - t2i)),

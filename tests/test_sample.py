@@ -81,7 +81,8 @@ def test_boxes_and_masks_match_the_drawn_objects():
         anns = coco.loadAnns(coco.getAnnIds(imgIds=[img["id"]]))
         for a in anns:
             o = next(o for o in objs if np.allclose(o["bbox"], [a["bbox"][0], a["bbox"][1],
-                                                               a["bbox"][0] + a["bbox"][2], a["bbox"][1] + a["bbox"][3]]))
+                                                               a["bbox"][0] + a["bbox"][2],
+                                                               a["bbox"][1] + a["bbox"][3]]))
             mask = coco.annToMask(a).astype(bool)
             inner = pix[mask][np.argsort(pix[mask].sum(1))[len(pix[mask]) // 2:]]   # drop blended edge pixels
             assert colour_name(np.median(inner, 0)) == o["colour"], (img["file_name"], o)
@@ -189,7 +190,8 @@ def test_pretraining_split_labels_groups_and_captions_match_its_scenes():
     (with or without colours) name all of it; shapes-only captions exist (colour alone cannot match them)."""
     root = tiny_world()
     coco = json.loads((root / "annotations/captions_pretrain.json").read_text())
-    assert len(coco["images"]) == SMALL_WORLD["n_pretrain"] and not (root / "annotations/instances_pretrain.json").exists()
+    assert (len(coco["images"]) == SMALL_WORLD["n_pretrain"]
+            and not (root / "annotations/instances_pretrain.json").exists())
     recs = scenes(root)
     captions: dict = {}
     for a in coco["annotations"]:

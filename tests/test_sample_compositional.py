@@ -65,7 +65,8 @@ def _sentences(text):
 
 def test_docci_records_and_images():
     root, lines, _ = _docci()
-    assert Counter(d["split"] for d in lines) == {"train": SMALL_WORLD["n_docci_train"], "test": SMALL_WORLD["n_docci_test"]}
+    assert Counter(d["split"] for d in lines) == {"train": SMALL_WORLD["n_docci_train"],
+                                                  "test": SMALL_WORLD["n_docci_test"]}
     for d in lines:
         assert set(d) == {"example_id", "split", "image_file", "description"}
         assert d["example_id"].startswith(d["split"]) and d["image_file"] == d["example_id"] + ".jpg"

@@ -69,7 +69,8 @@ def test_a_plain_process_relaunches_itself_as_n_ranks_and_exits_with_their_code(
     assert "CUDA_VISIBLE_DEVICES" not in env            # gloo ranks on the CPU
 
 
-@pytest.mark.parametrize("launcher_env", [{"RANK": "0", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "1", "SLURM_NTASKS": "16"}])
+@pytest.mark.parametrize("launcher_env",
+                         [{"RANK": "0", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "1", "SLURM_NTASKS": "16"}])
 def test_a_process_that_is_already_a_rank_joins(calls, monkeypatch, launcher_env):
     hardware(monkeypatch, 0, device="cpu", nproc=2)
     for name, value in launcher_env.items():

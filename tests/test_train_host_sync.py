@@ -224,7 +224,8 @@ def test_every_pretraining_objective_is_watched():
     from clipfinetune.methods.base import Method
     from clipfinetune.sample import pretrain
 
-    modules = [importlib.import_module(f"{pretrain.__name__}.{m.name}") for m in pkgutil.iter_modules(pretrain.__path__)]
+    modules = [importlib.import_module(f"{pretrain.__name__}.{m.name}")
+               for m in pkgutil.iter_modules(pretrain.__path__)]
     objectives = {c for m in modules for _, c in inspect.getmembers(m, inspect.isclass)
                   if issubclass(c, Method) and c.__module__ == m.__name__}
     assert objectives == {PretrainMethod, LabelWarmup}

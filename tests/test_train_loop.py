@@ -280,7 +280,8 @@ def test_every_step_is_logged_with_the_same_values_whatever_log_every_is():
     keys = ("loss", "loss_contrastive", "grad_norm", "lr", "epoch")
     for log_every in (3, 100):
         assert list(runs[log_every]) == list(range(1, 11))
-        assert [[s[k] for k in keys] for s in runs[log_every].values()] == [[s[k] for k in keys] for s in runs[1].values()]
+        assert [[s[k] for k in keys] for s in runs[log_every].values()] \
+            == [[s[k] for k in keys] for s in runs[1].values()]
     assert all(s["samples_per_s"] > 0 and s["data_s"] >= 0 for s in runs[3].values())
 
 

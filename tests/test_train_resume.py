@@ -269,7 +269,8 @@ def test_resume_with_the_shard_loader_and_workers_matches_an_uninterrupted_run(t
     _write_shards(tmp_path / "shards")
 
     def transform(pil):
-        return torch.from_numpy(__import__("numpy").asarray(pil.resize((SIZE, SIZE)), dtype="float32") / 255).permute(2, 0, 1)
+        return torch.from_numpy(
+            __import__("numpy").asarray(pil.resize((SIZE, SIZE)), dtype="float32") / 255).permute(2, 0, 1)
 
     def tokenize(texts):
         out = torch.zeros(len(texts), CONTEXT, dtype=torch.long)

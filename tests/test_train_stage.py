@@ -166,14 +166,16 @@ def test_caption_source_without_a_share_is_the_plain_shuffle_and_labels_are_mult
 
     captions, images, _ = _coloured_coco(tmp_path)
     plain = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1)
-    zero = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1, group_key="colour",
+    zero = CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, seed=1,
+                             group_key="colour",
                              group_share=0.0, label_key="labels")
     assert all(torch.equal(a["text"], b["text"]) for a, b in zip(plain.batches(0), zero.batches(0)))
     assert zero.label_names == ["blue", "green", "red", "ring", "star"]
     row = zero.labels[zero.image_ids.index("4")]                 # image 4: blue (4 % 3 = 1), ring (even)
     assert row.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
     with pytest.raises(ValueError):
-        CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_share=0.5)   # no group key
+        # no group key
+        CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_share=0.5)
 
 
 def test_caption_source_names_the_image_without_a_group(tmp_path):
@@ -185,7 +187,8 @@ def test_caption_source_names_the_image_without_a_group(tmp_path):
     del coco["images"][5]["colour"]
     captions.write_text(json.dumps(coco))
     with pytest.raises(InputError, match="colour"):
-        CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_key="colour", group_share=0.5)
+        CaptionPairSource(_records(captions, images), _transform, _tokenize, batch_size=8, group_key="colour",
+                          group_share=0.5)
 
 
 def _tokenize_any(texts):      # "image I caption C" -> [I, C]; an object name -> [-1, its length]
@@ -273,7 +276,8 @@ def test_pretrain_with_given_weights_exports_them_unchanged_and_leaves_only_its_
     stale.write_text("step\tloss\n0\t4.2\n")
     params = StageParams("pretrain", {
         "sources": {"coco": {"reader": "coco", "captions": "absent.json", "images": "absent"}},
-        "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "quick_gelu": "auto", "precision": "bf16"},
+        "model": {"name": "ViT-B-16", "pretrained": f"local-dir:{tmp_path / 'weights'}", "quick_gelu": "auto",
+                  "precision": "bf16"},
         "pretrain": {"epochs": 1, "batch_size": 2, "lr": 1e-3, "warmup": 1, "wd": 0.1, "grad_clip": 1.0,
                      "checkpoint_every": 0, "seed": 0, "sources": ["coco"]}})
     monkeypatch.setattr(_common, "stage_params", lambda name=None: params)

@@ -168,7 +168,8 @@ def fill_cache(cache, tag_cfg, state_dict):
 
 def test_open_clip_tag_loads_offline_from_a_filled_cache(names, weights, images, offline_hub, monkeypatch):
     # ViT-B-16's real tags (their hf-hub repos, preprocessing and quick_gelu metadata), lent to the shallow config
-    tags = {tag: copy.deepcopy(open_clip.get_pretrained_cfg("ViT-B-16", tag)) for tag in ("openai", "laion2b_s34b_b88k")}
+    tags = {tag: copy.deepcopy(open_clip.get_pretrained_cfg("ViT-B-16", tag))
+            for tag in ("openai", "laion2b_s34b_b88k")}
     monkeypatch.setitem(open_clip.pretrained._PRETRAINED, names["plain"], tags)
     for tag_cfg in tags.values():
         fill_cache(offline_hub, tag_cfg, weights)

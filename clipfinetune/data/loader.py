@@ -32,9 +32,9 @@ An epoch is cut in named steps, read top to bottom (`UnitTable` -> `Schedule` ->
 6. **Examples** (`_EpochStream`): the unit at stream position p is decoded and `make_example(record, image, rng,
    ctx)` gets rng = `random.Random(f"{seed}:{p}")`; its first draw (`getrandbits(63)`) seeds the CPU torch generator
    first, so random augmentations are a function of the position too, at any worker count (with num_workers=0 the
-   main process's torch RNG is saved and restored around the example). A corrupt image (the `shards` stage verified every image, so only on-disk damage
-   after it) is a counted skip (`corrupt_images_skipped`); in training the next unit of the pass order that decodes
-   takes its place (counted as `units_repeated`), so every rank's batch keeps its size.
+   main process's torch RNG is saved and restored around the example). A corrupt image (the `shards` stage verified
+   every image, so only on-disk damage after it) is a counted skip (`corrupt_images_skipped`); in training the next unit
+   of the pass order that decodes takes its place (counted as `units_repeated`), so every rank's batch keeps its size.
 
 Decisions:
 - **Resume** at (epoch, micro-batch k): the workers start at micro-batch k of the epoch directly (no sample is read

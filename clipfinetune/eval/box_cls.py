@@ -1,10 +1,10 @@
 """Box (region) classification from RoIAlign'd dense features (CLIPSelf / FineCLIP, docs/evalsets.md §5).
 
-Readers (COCO instances, COCO panoptic, LVIS; which boxes count): `clipfinetune.data.evalsets.box_cls`. Features: `model.region_features` on the squash-resized image, boxes
-mapped from original to input pixels by `clipfinetune.boxes.resize_boxes` (FineCLIP's transform).
-Classifier: the 63 ViLD templates ("This is " prefixed to texts starting with "a"/"the"), mean of
-normalised embeddings per class, renormalised; logits = region @ classifierᵀ. The text tower is the
-evaluated model's own (`own`) or another model's (`base`, FineCLIP's protocol).
+Readers (COCO instances, COCO panoptic, LVIS; which boxes count): `clipfinetune.data.evalsets.box_cls`. Features:
+`model.region_features` on the squash-resized image, boxes mapped from original to input pixels by
+`clipfinetune.boxes.resize_boxes` (FineCLIP's transform). Classifier: the 63 ViLD templates ("This is " prefixed to
+texts starting with "a"/"the"), mean of normalised embeddings per class, renormalised; logits = region @ classifierᵀ.
+The text tower is the evaluated model's own (`own`) or another model's (`base`, FineCLIP's protocol).
 Metrics: top1/top5 over all boxes and macc1/macc5 = mean over present classes of per-class accuracy
 (CLIPSelf `_macc`); top5/macc5 are null with fewer than 5 classes. LVIS adds macc1_{r,c,f}.
 """

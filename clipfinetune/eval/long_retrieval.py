@@ -1,6 +1,6 @@
 """Long-caption retrieval (DOCCI, DCI, Urban1k, GOAL lists; readers: `clipfinetune.data.evalsets.long_retrieval`):
-one caption per image, R@1/5/25/50 both directions as GOAL's `retrieval_goal.py` (docs/evalsets.md §3). Texts go through the model's own tokenizer,
-so a Long-CLIP-stretched model sees 248 tokens and a plain one truncates at 77.
+one caption per image, R@1/5/25/50 both directions as GOAL's `retrieval_goal.py` (docs/evalsets.md §3). Texts go through
+the model's own tokenizer, so a Long-CLIP-stretched model sees 248 tokens and a plain one truncates at 77.
 """
 from __future__ import annotations
 

@@ -100,7 +100,8 @@ def _quiet(logger: logging.Logger):
 
 def unit_id(unit: dict) -> str:
     """A work unit's id in its part file: its kind and a digest of what it encodes."""
-    return f"{unit['kind']}-{unit['model']}-" + hashlib.sha256(json.dumps(unit, sort_keys=True).encode()).hexdigest()[:16]
+    return (f"{unit['kind']}-{unit['model']}-"
+            + hashlib.sha256(json.dumps(unit, sort_keys=True).encode()).hexdigest()[:16])
 
 
 def embed_dim(model) -> int:

@@ -6,7 +6,8 @@ benchmark whose files are missing is an error naming the file. Output keys (perc
   retrieval.<set>.{i2t,t2i}_r{1,5,10}          long_retrieval.<set>.{i2t,t2i}_r{1,5,25,50}
   global_local.<set>.{i2t,t2i}_map10[_as_shipped]
   box_cls.<set>, box_cls_hard.<set>.{top1,top5,macc1,macc5}
-  compositionality.sugarcrepe.<set>.{<7 tasks>,mean}   compositionality.aro.<set>.{vg_relation,vg_attribution,coco_order}
+  compositionality.sugarcrepe.<set>.{<7 tasks>,mean}
+  compositionality.aro.<set>.{vg_relation,vg_attribution,coco_order}
   compositionality.valse.<set>.{<piece>,mean}          compositionality.winoground.<set>.{text,image,group}
   zeroshot.<set>.{acc1,acc5,mean_per_class}
 Reading a set is `clipfinetune.data.evalsets.sets.read_set` (task -> its reader), shared with the leakage check and

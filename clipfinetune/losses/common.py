@@ -2,10 +2,10 @@
 
 `gather_features` is open_clip's `gather_features(local_loss=True, gather_with_grad=True)`: a differentiable
 all-gather (torch's functional `all_gather_single_autograd`, the successor of the deprecated
-`torch.distributed.nn.functional.all_gather`; its backward sums every rank's gradient into the owner). Each rank scores its local rows against all gathered columns; summed over ranks and averaged by DDP
-this is exactly the gradient of one process on the concatenated batch (tested). With one process it returns
-its inputs unchanged. Every in-batch contrastive term calls it; per-sample terms (hard-negative choices,
-token losses, distillation) stay local.
+`torch.distributed.nn.functional.all_gather`; its backward sums every rank's gradient into the owner). Each rank scores
+its local rows against all gathered columns; summed over ranks and averaged by DDP this is exactly the gradient of one
+process on the concatenated batch (tested). With one process it returns its inputs unchanged. Every in-batch contrastive
+term calls it; per-sample terms (hard-negative choices, token losses, distillation) stay local.
 
 `weighted_term` is how every loss module weights an optional term: a lambda of 0 gives a graph-connected zero
 and the term (with its inputs) is never computed.

@@ -27,8 +27,8 @@ Decisions the paper leaves open / where we differ from the authors' code (docs/m
   sentence's text-side TSL term and counts it in `stats["n_tsl_text_dropped"]`).
 - A record without a local pair (LISM found none, or the global image won; or its box has no area inside the
   image) is kept for L_global with `local_valid` False; its crop slot holds the whole image, its sentence slot the
-  empty text, its box the whole image (finite placeholders that the loss never reads). Their crops still run through the towers (static shapes
-  for DDP and the accumulation cache); the loss counts them in `stats["n_global_only"]`.
+  empty text, its box the whole image (finite placeholders that the loss never reads). Their crops still run through the
+  towers (static shapes for DDP and the accumulation cache); the loss counts them in `stats["n_global_only"]`.
 - Long-CLIP stretching in `build()`, GOAL's port: all 248 rows trainable (`freeze_kept=False`, docs/methods.md
   §0.1, §6.10); a model whose context is already 248 is left as it is (e.g. a Long-CLIP base).
 - The loss's counts stay on the device in `GoalLoss.stats` after every call; the step never reads them (a host
@@ -142,7 +142,8 @@ class GoalMethod(Method):
         span_mask = torch.zeros(length, dtype=torch.bool)
         span_mask[span] = True
         return dict(example, local_image=ctx.crop(image, box), local_text=ctx.tokenize_long([sentence["text"]])[0],
-                    box=torch.as_tensor(ctx.resize_boxes(torch.tensor([box], dtype=torch.float32), image.size))[0].float(),
+                    box=torch.as_tensor(ctx.resize_boxes(torch.tensor([box], dtype=torch.float32),
+                                                         image.size))[0].float(),
                     span_mask=span_mask, local_valid=torch.tensor(True), span_valid=torch.tensor(bool(span)))
 
     # goal_loss_finetuning.py: AdamW(model.parameters(), lr, weight_decay=0.05), no param groups, and no clamp of

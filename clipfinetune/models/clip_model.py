@@ -159,7 +159,8 @@ class ClipModel(nn.Module):
         if self._reused is not None and normalize:
             return self.text_features(text)["global_"]
         text, hidden = self._text_trunk(text, trim=True)
-        pooled = self.text_tower.ln_final(hidden[torch.arange(len(text), device=text.device), self._eot_positions(text)])
+        pooled = self.text_tower.ln_final(hidden[torch.arange(len(text), device=text.device),
+                                                 self._eot_positions(text)])
         pooled = self._project_text(pooled)
         return F.normalize(pooled, dim=-1) if normalize else pooled
 
@@ -177,7 +178,8 @@ class ClipModel(nn.Module):
         """
         if self._reused is not None:
             hit = self._reused.get(("image", id(image), True)) or self._reused.get(("image", id(image), dense))
-            return (hit or self._reuse(("image", id(image), dense), image, lambda: self._image_features(image, dense)))[1]
+            return (hit or self._reuse(("image", id(image), dense), image,
+                                       lambda: self._image_features(image, dense)))[1]
         return self._image_features(image, dense)
 
     def _image_features(self, image: torch.Tensor, dense: bool) -> dict[str, torch.Tensor]:

@@ -79,7 +79,8 @@ class LoRAConv2d(nn.Conv2d, _LoRAMixin):
         module = cls(base.in_channels, base.out_channels, base.kernel_size, stride=base.stride,
                      padding=base.padding, dilation=base.dilation, bias=base.bias is not None, device="meta")
         module.weight, module.bias = base.weight, base.bias
-        module._add_lora(base.weight, (rank * kernel, base.in_channels * kernel), (base.out_channels * kernel, rank * kernel),
+        module._add_lora(base.weight, (rank * kernel, base.in_channels * kernel),
+                         (base.out_channels * kernel, rank * kernel),
                          rank, alpha, dropout)
         return module
 

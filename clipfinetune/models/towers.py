@@ -85,7 +85,8 @@ class OpenClipViT:
 
     def value_path_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(block, ResidualAttentionBlock):
-            raise NotImplementedError(f"dense features need open_clip's ResidualAttentionBlock, got {type(block).__name__}")
+            raise NotImplementedError("dense features need open_clip's ResidualAttentionBlock, "
+                                      f"got {type(block).__name__}")
         return regions.value_path_block(block, x)
 
     def unsupported(self) -> str | None:

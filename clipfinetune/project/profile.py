@@ -1,6 +1,7 @@
 """The papers' recipes and other parameter profiles, written into params.yaml.
 
-    clipfinetune recipe <paper> [--params params.yaml] [--base REF] [--dry-run]   # or python -m clipfinetune.project.profile recipe
+    clipfinetune recipe <paper> [--params params.yaml] [--base REF] [--dry-run]
+        # or python -m clipfinetune.project.profile recipe
     python -m clipfinetune.project.profile apply <profile.yaml>... [--params params.yaml] [--dry-run]
 
 `recipe <paper>` writes params.yaml = the COMMITTED params.yaml (`git show HEAD:params.yaml`: the sample world's)

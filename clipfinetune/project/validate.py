@@ -91,7 +91,8 @@ def check_path(key: str, value, kind: str, root: Path, produced: list[str]) -> l
 
 
 def check_weights(key: str, name: str, pretrained: str, root: Path, produced: list[str]) -> list[Finding]:
-    """An open_clip model name + pretrained: "" (train from scratch), local-dir:<folder>, a checkpoint file, or a tag."""
+    """An open_clip model name + pretrained: "" (train from scratch), local-dir:<folder>, a checkpoint file, or a
+    tag."""
     out: list[Finding] = []
     if pretrained.startswith("local-dir:"):
         folder = pretrained.split(":", 1)[1]
@@ -113,7 +114,8 @@ def check_weights(key: str, name: str, pretrained: str, root: Path, produced: li
     configs = Path(loading.__file__).parent / "configs"
     known |= {p.stem for p in configs.glob("*.json")}
     if name not in known:
-        out.append(Finding(key, f"open_clip model {name!r} is unknown (neither open_clip nor clipfinetune/models/configs)"))
+        out.append(Finding(key,
+                           f"open_clip model {name!r} is unknown (neither open_clip nor clipfinetune/models/configs)"))
     if not pretrained:
         return out
     if any(pretrained.endswith(s) for s in FILE_SUFFIXES) or "/" in pretrained:
@@ -139,7 +141,8 @@ def check_lism_model(name: str, pretrained: str, root: Path, produced: list[str]
     folder = f"datasets/weights/{name}-{pretrained}" if pretrained else f"datasets/weights/{name}"
     return [Finding("lism.model", f"{name!r} is not a folder, but stage lism depends on lism.model as a path; "
                                   "export the weights once and name the folder: python -c \"from clipfinetune.models "
-                                  f"import export_model, load_model; export_model(load_model({name!r}, {pretrained!r}), "
+                                  "import export_model, load_model; "
+                                  f"export_model(load_model({name!r}, {pretrained!r}), "
                                   f"{folder!r})\" (then lism.model: {folder}, lism.pretrained: \"\")")]
 
 
@@ -297,7 +300,8 @@ def check_leakage(params: dict, root: Path, produced: list[str]) -> list[Finding
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m clipfinetune.project.validate", description=__doc__.splitlines()[0])
     p.add_argument("--params", default="params.yaml")
-    p.add_argument("--root", default=None, help="project root paths are relative to (default: the params file's folder)")
+    p.add_argument("--root", default=None,
+                   help="project root paths are relative to (default: the params file's folder)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for the endpoint check")
     args = p.parse_args(argv)
     import yaml

@@ -349,7 +349,8 @@ def render_text(summary: dict) -> str:
     and the claims with CIs."""
     rows = summary["headline"].values()
     labels = [lbl for lbl in next(iter(rows), {}) if any(row.get(lbl) is not None for row in rows)]
-    head = _table(["model"] + labels, [[m] + [_fmt(row[lbl]) for lbl in labels] for m, row in summary["headline"].items()])
+    head = _table(["model"] + labels,
+                  [[m] + [_fmt(row[lbl]) for lbl in labels] for m, row in summary["headline"].items()])
     claim = _table(["method", "claim", "rule", "value", "baseline", "diff", "95% CI", "verdict"], claim_rows(summary))
     counts = {v: sum(r[-1] == v for r in claim_rows(summary)) for v in VERDICTS}
     tally = ", ".join(f"{n} {v}" for v, n in counts.items() if n)

@@ -12,12 +12,13 @@ The `pretrain` split exists only to train the from-scratch base CLIP (stage `pre
 web-pretrained model, so its corpus may differ from the fine-tuning corpora): few objects per image (1 to
 PRETRAIN_OBJECTS) and captions that vary in what they name (`captions.pretraining_captions`: shapes only, every
 object with its colour, or an ordinary short caption). Each image's `images[]` entry carries the colour of its
-first object (`colour`), the group `pretrain` batches by (`sample.pretrain.sources.CaptionPairSource`), and, for a one-object
-image, its shape and colour (`labels`, else empty), the targets of the image tower's label warm-up
-(`sample.pretrain.label_warmup`: on one-object images the tiny ViT learnt shape about twice as fast as on all images' sets
-of shapes and colours, 45% vs 24% after 200 steps), and every object's box, labels and name ("a red circle") (`regions`), the targets of
-the warm-up's region term and of pretraining's region-text term. A share of the images are close-ups of one large object (CLOSEUP_SHARE). On the short captions
-of the 2-4-object train scenes a tiny CLIP learns colour and stays shape-blind (issue 22).
+first object (`colour`), the group `pretrain` batches by (`sample.pretrain.sources.CaptionPairSource`), and, for a
+one-object image, its shape and colour (`labels`, else empty), the targets of the image tower's label warm-up
+(`sample.pretrain.label_warmup`: on one-object images the tiny ViT learnt shape about twice as fast as on all images'
+sets of shapes and colours, 45% vs 24% after 200 steps), and every object's box, labels and name ("a red circle")
+(`regions`), the targets of the warm-up's region term and of pretraining's region-text term. A share of the images are
+close-ups of one large object (CLOSEUP_SHARE). On the short captions of the 2-4-object train scenes a tiny CLIP learns
+colour and stays shape-blind (issue 22).
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def _coco_split(w: _Writer, cfg: WorldConfig, split: str, n: int, id0: int):
         for image, sc in zip(captions["images"], scenes):
             image["colour"] = sc.objects[0].colour
             image["labels"] = [sc.objects[0].shape, sc.objects[0].colour] if len(sc.objects) == 1 else []
-            image["regions"] = [{"box": o.bbox, "labels": [o.shape, o.colour], "text": noun_phrase(o.shape, 1, o.colour)}
+            image["regions"] = [{"box": o.bbox, "labels": [o.shape, o.colour],
+                                 "text": noun_phrase(o.shape, 1, o.colour)}
                                 for o in sc.objects]
     else:
         w.text(f"annotations/instances_{split}.json", formats.dumps(formats.instances(scenes, ids, names)))

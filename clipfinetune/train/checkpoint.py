@@ -8,9 +8,9 @@ The FINGERPRINT (`fingerprint()`) ties a checkpoint to one run: sha256 over the 
 the world size and a content digest of each of the stage's dvc.yaml deps (a file's BLAKE2b, a folder's over its
 files; stages/_common.py `stage_inputs`, through the project's digest cache: a big input is hashed once, and a
 `dvc checkout` that rewrites an unchanged file changes nothing). The deps are the run's data and the digests of the
-code it imports (data/code, clipfinetune/project/deps.py): a changed loss retrains, never "resumes" a finished run. Every rank
-computes it and `check_ranks_agree` stops the run when they differ (nodes with other code or data). On a mismatch
-with the checkpoint the trainer starts from scratch.
+code it imports (data/code, clipfinetune/project/deps.py): a changed loss retrains, never "resumes" a finished run.
+Every rank computes it and `check_ranks_agree` stops the run when they differ (nodes with other code or data). On a
+mismatch with the checkpoint the trainer starts from scratch.
 """
 from __future__ import annotations
 

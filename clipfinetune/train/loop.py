@@ -99,7 +99,8 @@ class Trainer:
         # ONE accumulation pass (the others in every pass: their features are recomputed per micro-batch)
         owned = {id(p) for p in self.loss_fn.parameters()}
         if owned - {id(p) for p in self.module.parameters()}:
-            raise ValueError(f"{desc}: the loss owns parameters that are not in the built module; {type(method).__name__}"
+            raise ValueError(f"{desc}: the loss owns parameters that are not in the built module; "
+                             f"{type(method).__name__}"
                              f".build must register the loss module in it (methods/base.py)")
         self.feature_params = [p for p in self.params if id(p) not in owned]
         self.optimizer = build_optimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

@@ -4,8 +4,8 @@ open_clip (`open_clip_train/main.py`, docs/methods.md §0.3): parameters with `n
 `bn`, `ln`, `bias` or `logit_scale` get no weight decay (`conventions.no_weight_decay`); every other trainable
 parameter gets `wd`. The rule is a function, so a caller may pass another (`Method.no_weight_decay`). Extra
 groups claim parameters for their own learning rate (`Method.param_groups`); those are split by the same decay
-rule. Frozen parameters (`requires_grad=False`, e.g. teachers) are not optimised. Every group carries `log_as`, the name its
-learning rate is logged under: `lr` for the default group, `lr_<name>` for an extra one (both halves of a split).
+rule. Frozen parameters (`requires_grad=False`, e.g. teachers) are not optimised. Every group carries `log_as`, the name
+its learning rate is logged under: `lr` for the default group, `lr_<name>` for an extra one (both halves of a split).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 ONE session fixture (`tiny_project`) copies the repo's code (stages/, clipfinetune/, dvc.yaml, the committed
 params.yaml) into a temporary folder, makes it a DVC repo (`dvc init --no-scm`), shrinks params.yaml to a tiny
-sample world and runs every data stage plus `pretrain` there for real, as `python stages/<name>.py --stage <name>` subprocesses.
-Its outputs are the references the fault tests compare against. A test copies the project (`clone`) and
+sample world and runs every data stage plus `pretrain` there for real, as `python stages/<name>.py --stage <name>`
+subprocesses. Its outputs are the references the fault tests compare against. A test copies the project (`clone`) and
 mutates only its copy; stages run either in a subprocess (kills, resumes) or in-process (`run_inprocess`, the
 stage's own `main()` with `_common.ROOT` pointed at the copy) when the test only needs its error or its meta.
 """

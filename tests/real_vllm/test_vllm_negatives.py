@@ -1,6 +1,6 @@
-"""The `negatives` stage against a real vLLM on CPU (`make test-vllm`): a random tiny Llama (tests/real_vllm/tiny_llama.py)
-served by vLLM's OpenAI-compatible server (`backend: server`), and run in-process by `vllm.LLM` (`backend: offline`,
-the stage run with the vLLM venv's python), on the sample world's training captions.
+"""The `negatives` stage against a real vLLM on CPU (`make test-vllm`): a random tiny Llama
+(tests/real_vllm/tiny_llama.py) served by vLLM's OpenAI-compatible server (`backend: server`), and run in-process by
+`vllm.LLM` (`backend: offline`, the stage run with the vLLM venv's python), on the sample world's training captions.
 
 A random model's rewrites are garbage, so the validators reject nearly all of them: what is checked is that every
 answer is counted and none crashes the stage. The server is reached through a recording reverse proxy on 127.0.0.1,
@@ -96,7 +96,8 @@ def answers_by_request(records: list[dict]) -> dict:
 def wait_for_cache(repo: Path, proc: subprocess.Popen, lines: int, deadline_s: float = 600) -> None:
     deadline = time.monotonic() + deadline_s
     while len(cache_records(repo)) < lines:
-        assert proc.poll() is None, f"the stage ended before {lines} answers were cached:\n{proc.communicate()[0][-4000:]}"
+        assert proc.poll() is None, \
+            f"the stage ended before {lines} answers were cached:\n{proc.communicate()[0][-4000:]}"
         assert time.monotonic() < deadline, f"fewer than {lines} answers cached after {deadline_s} s"
         time.sleep(0.1)
 

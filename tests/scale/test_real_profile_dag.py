@@ -31,7 +31,8 @@ CPU = {
     "train": {"epochs": 1, "batch_size": 2, "warmup": 1, "checkpoint_every": 0},
     "eval": {"batch_size": 64},
 }
-STAGES = {"plan@repro", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci", "negatives@coco",
+STAGES = {"plan@repro", "word_regions@coco", "sentences@docci", "segments@docci", "pretrain", "lism@docci",
+          "negatives@coco",
           "shards", "code", "run_settings", "train@clip", "evalsets", "eval@clip"}
 
 

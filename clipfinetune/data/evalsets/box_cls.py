@@ -99,7 +99,8 @@ def read_panoptic(path, images_root, masks_dir=None) -> BoxSet:
         segm = None
         segments = ann["segments_info"]
         if len(segments) > MAX_PANOPTIC_SEGMENTS:
-            out.skipped["over_100_segments"] = out.skipped.get("over_100_segments", 0) + len(segments) - MAX_PANOPTIC_SEGMENTS
+            out.skipped["over_100_segments"] = (out.skipped.get("over_100_segments", 0) + len(segments)
+                                                - MAX_PANOPTIC_SEGMENTS)
         for seg in segments[:MAX_PANOPTIC_SEGMENTS]:
             if isthing[seg["category_id"]]:
                 box = xywh_to_xyxy(seg["bbox"])

@@ -30,8 +30,8 @@ interrupted run are reused as they are).
 
 The stage's loop is split for ranks and resume (stages/lism.py, clipfinetune/parts.py): `Matcher` matches the
 images of each work unit (a JSON-able result per image; images decoded and crops cut in DataLoader workers) and
-writes a test image's two items of GOAL's joint test list (`clipfinetune.data.evalsets.global_local`: the original file linked,
-the chosen crop as a PNG) inside the unit, beside its part; `assemble_lism` turns every image's result, in image
+writes a test image's two items of GOAL's joint test list (`clipfinetune.data.evalsets.global_local`: the original file
+linked, the chosen crop as a PNG) inside the unit, beside its part; `assemble_lism` turns every image's result, in image
 order, into the stage's rows, test items and counts: the same whichever rank matched an image, so rank 0's tail
 only links the units' files into the output.
 """

@@ -18,8 +18,8 @@ as they are. Decisions:
   sources (`wants` looks at fields, never at `source`); and the record table: per record its key, shard and
   each member's byte offset and size, so a reader reads any one record by offset (as webdataset's wids does)
   and an epoch can hand any unit to any rank and worker. Hand-made shards get theirs with `write_index`.
-- Within a source, samples are ordered by SHA-1 of the key. Split: a sample is `val` iff the first 8 hex digits of SHA-1(key) / 2^32 <
-  `val_fraction` (fixed per image, independent of the rest).
+- Within a source, samples are ordered by SHA-1 of the key. Split: a sample is `val` iff the first 8 hex digits of
+  SHA-1(key) / 2^32 < `val_fraction` (fixed per image, independent of the rest).
 - Shard size: `maxcount` samples. The loader reads records by offset, so coverage does not depend on it; a few
   hundred MB to a few GB per shard keeps the file count small (open_clip_train reads whole shards per worker).
 - Every annotation row is checked against the sample before it is attached: a word region or negative
@@ -339,8 +339,8 @@ def build_shards(out_dir: str | os.PathLike, *, prepared_dir: str | os.PathLike,
                  prepared_from: dict, splits, maxcount: int, val_fraction: float, read: tuple | None = None) -> dict:
     """The `shards` stage: every record of `sources` ({name: params `sources.<name>`}) whose split is in `splits`
     (records without a split always), with the prepared annotations of its source; the whole `out_dir` (tars,
-    sizes.json, index.json, meta.json) replaced atomically; returns meta. `read` = (`read_sources`' {name: records}, its skip
-    Counter) when the caller has already read the sources (the stage's leakage check)."""
+    sizes.json, index.json, meta.json) replaced atomically; returns meta. `read` = (`read_sources`' {name: records}, its
+    skip Counter) when the caller has already read the sources (the stage's leakage check)."""
     from clipfinetune.data.readers import in_splits, read_sources
     from clipfinetune.io import atomic_path, write_json
 

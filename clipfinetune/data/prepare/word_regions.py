@@ -194,7 +194,8 @@ class CategoryMatcher:
             return False
         doc, strings, f2b = _nlp().tokenizer(chunk), _nlp().vocab.strings, self.form_to_base
         kept = [(ti, strings[h], f2b.get(strings[h], strings[h]), idx, idx + length)
-                for ti, (h, idx, length) in enumerate(doc.to_array([LOWER, IDX, LENGTH]).tolist()) if h in self._key_set]
+                for ti, (h, idx, length) in enumerate(doc.to_array([LOWER, IDX, LENGTH]).tolist())
+                if h in self._key_set]
         return len(doc), tuple(kept)
 
     @staticmethod
@@ -239,12 +240,13 @@ def _match_range(lo_hi):
 @cocoio.gc_paused()
 def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lookup",
                        instance_rule: str = "largest", aliases: dict[str, list[str]] | None = None,
-                       synonyms: str = "none", instances_path="<instances>", captions_path="<captions>", batch_size: int = 2000,
+                       synonyms: str = "none", instances_path="<instances>", captions_path="<captions>",
+                       batch_size: int = 2000,
                        processes: int | None = None):
     """COCO instances + captions dicts -> (DataFrame with COLUMNS, meta dict of counts).
 
-    From PARALLEL_MIN_CAPTIONS captions on, the matching runs in `processes` forked workers (default: all cores, at most 8)
-    over ordered chunks, so the output does not depend on the process count.
+    From PARALLEL_MIN_CAPTIONS captions on, the matching runs in `processes` forked workers (default: all cores, at most
+    8) over ordered chunks, so the output does not depend on the process count.
     """
     if lemmatizer not in LEMMATIZERS:
         raise ValueError(f"lemmatizer must be one of {LEMMATIZERS}, got {lemmatizer!r}")
@@ -258,7 +260,8 @@ def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lo
     caps = cocoio.captions_by_image(captions, captions_path, counts)   # after the instance checks, as always
     boxes, img_boxes = chosen or boxes_scalar(anns, images, instance_rule, counts)
     table = synonym_aliases(synonyms)
-    matcher = CategoryMatcher(names, {n: table.get(n, []) + (aliases or {}).get(n, []) for n in {*table, *(aliases or {})}})
+    matcher = CategoryMatcher(names,
+                              {n: table.get(n, []) + (aliases or {}).get(n, []) for n in {*table, *(aliases or {})}})
 
     cap_img = [i for i, lst in caps.items() for _ in lst]
     cap_k = [k for lst in caps.values() for k in range(len(lst))]
@@ -297,7 +300,8 @@ def build_word_regions(instances: dict, captions: dict, *, lemmatizer: str = "lo
                           "char_start": "int32", "char_end": "int32", "category_id": "int32",
                           "x0": "float32", "y0": "float32", "x1": "float32", "y1": "float32"})
     meta = {"rows": len(frame), "images_matched": len({cap_img[p] for p in set(plist)}), "lemmatizer": lemmatizer,
-            "instance_rule": instance_rule, "synonyms": synonyms, "categories": len(names), **dict(sorted(counts.items()))}
+            "instance_rule": instance_rule, "synonyms": synonyms, "categories": len(names),
+            **dict(sorted(counts.items()))}
     for key in ("captions_dropped_no_match", "captions_matched", "repeated_mentions_dropped",
                 "crowd_instances_ignored", "degenerate_boxes_skipped", "captions_dropped_image_not_in_instances",
                 "empty_captions_skipped"):

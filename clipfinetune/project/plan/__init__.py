@@ -18,8 +18,8 @@ It exits 1 BEFORE any work, naming the param to change and values that would wor
 or silently degrade a run: a batch that does not split over the ranks, a stage declaring params it will not read
 (`compute`, the hardware) or that the params lack, a run reading a table that no stage of the configuration writes
 (e.g. local pairs with `lism.sources: []`), a GPU shared by a vLLM server and the ranks, sample-world sets
-scored on a real model, epoch coverage under 100%, and every missing input (`clipfinetune.project.validate.check`). Warnings
-(idle GPUs, stages whose table no run reads, several nodes) do not fail it.
+scored on a real model, epoch coverage under 100%, and every missing input (`clipfinetune.project.validate.check`).
+Warnings (idle GPUs, stages whose table no run reads, several nodes) do not fail it.
 
 `make_plan(params, root, ...)` is the library entry (a dict in, a dict out); only `main` reads the params file.
 The parts: `dag` (resolving the DAG, whether a stage is up to date from dvc.lock), `hardware` (GPUs and ranks, the

@@ -67,7 +67,8 @@ def _tables_written(stages: list[DagStage], params: dict, runs: dict) -> list[Re
                 wanted = "long-caption (DOCCI-format)" if kind == "long" else "short-caption (COCO-format)"
                 have = [n for n, s in (_get(params, "sources") or {}).items() if _kind_of_source(params, n) == kind]
                 out.append(Refusal(f"train@{name}", "shards.sources",
-                                   f"run {name} (method {run['method']}) trains on {wanted} records, but shards.sources "
+                                   f"run {name} (method {run['method']}) trains on {wanted} records, "
+                                   "but shards.sources "
                                    f"{_get(params, 'shards.sources')!r} holds none",
                                    [f"shards.sources: [..., {n}]" for n in have[:1]]))
     return out

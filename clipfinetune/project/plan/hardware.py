@@ -56,7 +56,8 @@ def _llm_beside_ranks(stages, params, compute, hardware, asks_llm: bool) -> tupl
     if compute["llm_gpus"] == 0:
         last = hardware.gpus - 1
         refusals.append(Refusal(neg[0], "compute.llm_gpus",
-                                f"negatives.base_url {_get(params, 'negatives.base_url')} is a vLLM server on this host: "
+                                f"negatives.base_url {_get(params, 'negatives.base_url')} "
+                                "is a vLLM server on this host: "
                                 "it holds ~0.9 of a card, and with compute.llm_gpus 0 every model stage puts a rank on "
                                 "that card too",
                                 [(f"compute.llm_gpus: 1 and start the server on the last card: CUDA_VISIBLE_DEVICES="

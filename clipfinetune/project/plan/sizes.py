@@ -366,7 +366,8 @@ def _latency_advice(rows, figures, kind, arch, gpus, nodes) -> list[str]:
                    LATENCY_BOUND and f.get("arch", "") in ("", arch))
     measured = f" ({', '.join(f'batch {b}: {ms:.1f} ms' for b, ms in floor)} measured on {kind})" if floor else ""
     text = (f"{names}: {', '.join(sorted({str(r.rank_batch) for r in bound}))} per GPU is latency-bound: a step "
-            f"costs about as much as at the smallest batch{measured}, so {max(r.ranks for r in bound)} GPUs train a run "
+            f"costs about as much as at the smallest batch{measured}, so {max(r.ranks for r in bound)} GPUs "
+            "train a run "
             f"little faster than one")
     share = len(gpus) // len(bound) if len(bound) > 1 else 1
     if len(bound) > 1 and share >= 1:
@@ -384,5 +385,6 @@ def _latency_advice(rows, figures, kind, arch, gpus, nodes) -> list[str]:
                  f"locks keep concurrent stages off each other's cards){timing}")
     else:
         text += (". Better: compute.train_nproc: 1, and the other GPUs for other work (another experiment given "
-                 "its own cards with CUDA_VISIBLE_DEVICES; the GPU locks keep concurrent stages off each other's cards)")
+                 "its own cards with CUDA_VISIBLE_DEVICES; the GPU locks keep concurrent stages off "
+                 "each other's cards)")
     return [text]

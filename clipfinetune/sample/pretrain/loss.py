@@ -28,7 +28,8 @@ def region_text_loss(region: torch.Tensor, region_text: torch.Tensor, region_cla
     """L_rt: each region against the batch's distinct names (rows of equal `region_class` share one embedding)."""
     classes, target = torch.unique(region_class, return_inverse=True)    # sync: one row per name the batch holds
     rows = torch.arange(len(target), device=target.device)
-    first = torch.zeros(len(classes), dtype=torch.long, device=target.device).scatter_(0, target, rows)  # a row per name
+    # a row per name
+    first = torch.zeros(len(classes), dtype=torch.long, device=target.device).scatter_(0, target, rows)
     logits = logit_scale * region @ region_text[first].T
     return F.cross_entropy(logits, target)
 

@@ -2,19 +2,19 @@
 
 `CaptionPairSource` serves reader records with short captions (`clipfinetune.data.readers`; the sample world's
 `pretrain` source) for training from scratch: every epoch each image appears once, with one of its captions drawn
-at random, in a random order; every draw is a function of (seed, epoch) only, so an interrupted epoch resumes exactly. Images are decoded and
-transformed once and kept in memory: the sample world is small and the pretrain budget is minutes, so re-decoding
-JPEGs every epoch would only burn the CPU the model needs. A transform that ends in `Normalize` after `ToTensor`
-(open_clip's) is kept as the uint8 pixels before the normalisation (a quarter of fp32) and normalised per batch with
-the same operations, so the batches are the ones the full transform gives. Ranks split every global batch
+at random, in a random order; every draw is a function of (seed, epoch) only, so an interrupted epoch resumes exactly.
+Images are decoded and transformed once and kept in memory: the sample world is small and the pretrain budget is
+minutes, so re-decoding JPEGs every epoch would only burn the CPU the model needs. A transform that ends in `Normalize`
+after `ToTensor` (open_clip's) is kept as the uint8 pixels before the normalisation (a quarter of fp32) and normalised
+per batch with the same operations, so the batches are the ones the full transform gives. Ranks split every global batch
 (`batch_size * world_size` samples) into contiguous per-rank slices; the last partial batch is dropped.
 
 One-colour share (`group_key`, `group_share`): a share of every global batch comes from ONE group (the value of
 `group_key` in the record's `extra`, i.e. its COCO `images[]` entry; the sample world's pretraining split puts the
-colour of the image's first object there), a different group each batch in a balanced random order; the rest of the batch is the
-epoch's shuffle as usual. Inside the group's part only what differs within the group (the shape) tells the captions
-apart, while the mixed part keeps colour worth learning. Contrastive pretraining from scratch on mixed batches alone
-settles on colour, the fast feature, and stays shape-blind; batches of one colour alone forget colour (issue 22).
+colour of the image's first object there), a different group each batch in a balanced random order; the rest of the
+batch is the epoch's shuffle as usual. Inside the group's part only what differs within the group (the shape) tells the
+captions apart, while the mixed part keeps colour worth learning. Contrastive pretraining from scratch on mixed batches
+alone settles on colour, the fast feature, and stays shape-blind; batches of one colour alone forget colour (issue 22).
 
 Labels (`label_key`): the record's list of names under that `extra` (`images[]`) key as a multi-hot row of
 `labels` (columns: `label_names`, sorted), for the image tower's label warm-up (`sample.pretrain.label_warmup`). Regions
