@@ -168,7 +168,7 @@ def test_a_vllm_server_on_this_host_and_the_ranks_never_share_a_card(tree):
     # one GPU: the server and the ranks cannot both have it
     (r,) = refusals(make(tree, params, stages, 1), "compute.llm_gpus")
     assert any(f.startswith("negatives.backend: offline") for f in r["fixes"])
-    # negatives already done (the server stopped, its card given to the ranks): tests/test_plan_repro.py, through
+    # negatives already done (the server stopped, its card given to the ranks): tests/scale/test_plan_repro.py, through
     # the real `dvc repro` and the project's dvc.lock
 
 
