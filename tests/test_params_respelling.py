@@ -101,7 +101,7 @@ def test_both_spellings_in_one_file_are_refused_naming_the_file_and_both_keys(tm
 def test_validate_reads_a_params_yaml_in_the_older_spelling_as_the_current_one(tmp_path, monkeypatch, capsys):
     """`python -m clipfinetune.project.validate` checks what the current spelling gives (its checks themselves:
     test_recipes); a params.yaml with both spellings is one MISSING line naming both."""
-    from clipfinetune import validate
+    from clipfinetune.project import validate
 
     checked = []
     monkeypatch.setattr(validate, "check", lambda params, root, timeout: checked.append(params) or [])

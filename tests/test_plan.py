@@ -258,10 +258,11 @@ def _h200_steps(arch: str = "ViT-B-16") -> dict:
     return {"steps": steps, "loader": loader}
 
 
-def test_training_time_is_measured_scaled_or_unknown_and_says_from_what(tree):
+def test_training_time_is_measured_scaled_or_unknown_and_says_from_what(tree, monkeypatch):
     params, stages = recipe_params(tree, "")                       # the real base profile: ViT-B-16, batch 256
     h200 = _h200_steps()
-    workers = params["train"]["workers"]
+    workers = 6                                                    # this host's loader workers per rank
+    monkeypatch.setenv("CLIPFINETUNE_WORKERS", str(workers))
     # 2 GPUs: 128 per rank, the batch the step table measured; each rank at the slower of the step and its loader
     t = row(make(tree, params, stages, 2), "train@fsc_clip")
     assert t["rank_batch"] == 128

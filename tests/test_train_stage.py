@@ -36,6 +36,8 @@ def test_run_settings_writes_each_runs_resolved_settings_as_stable_bytes(tmp_pat
     files = _run_settings_stage(tmp_path, monkeypatch, PARAMS)
     assert sorted(files) == ["clip.json", "fsc_lhn_only.json"]
     lhn = json.loads(files["fsc_lhn_only.json"])
+    code = lhn.pop("code")                                         # the method's code digest: the run's code dep
+    assert list(code) == ["fsc_clip"] and len(code["fsc_clip"]) == 32
     assert lhn == {"method": "fsc_clip", "precision": "fp32",
                    "config": {"lambda_g": 0.0, "lambda_l": 0.5, "focal_gamma": 2.0, "label_smoothing": 0.02},
                    "train": {"epochs": 2, "batch_size": 8, "lr": 5e-6}}

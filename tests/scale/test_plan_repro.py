@@ -143,7 +143,7 @@ def test_the_base_profile_on_8_gpus_keeps_one_for_the_server_or_is_refused(scena
 def test_degla_before_its_negatives_asks_the_llm_on_7_gpus_plus_its_server(scenario):
     before = scenario["degla before"]
     assert before.returncode == 0, before.out[-3000:]
-    assert set(RAN.findall(before.out)) == {"plan@repro", "negatives@coco"}
+    assert set(RAN.findall(before.out)) == {"plan@repro", "code", "negatives@coco"}    # code: the first repro
     assert scenario["asked before"] > 0
     assert ranks_line(before.out).endswith("ranks on GPU(s) 0,1,2,3,4,5,6")      # the server keeps GPU 7
     assert row(before.out, "train@degla")[1:4] == ["cuda", "0,1,2,3", "4"]      # 256 splits over 4 of the 7
