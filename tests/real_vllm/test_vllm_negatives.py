@@ -62,7 +62,7 @@ def make_project(dest: Path, **negatives) -> Path:
     repo = copy_project(dest)
     write_params(repo, {"sample": SAMPLE, "negatives": {**NEGATIVES, **negatives}})
     run(repo, "git", "init", "-q")
-    run(repo, sys.executable, "stages/sample.py", "--stage", "sample")
+    run(repo, sys.executable, "stages/sample.py", "--stage", "sample@world")
     return repo
 
 
