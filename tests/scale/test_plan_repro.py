@@ -28,7 +28,7 @@ from fixtures.project import copy_project, env
 
 from clipfinetune.project import profile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAKE_CUDA = Path(__file__).resolve().parents[1] / "fixtures" / "fake_cuda"
 ALL_8 = "0,1,2,3,4,5,6,7"
 RAN = re.compile(r"Running stage '([^']+)'")
