@@ -393,9 +393,11 @@ class _Progress:
 
 
 def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix: str = "",
-             retries: int = RETRIES, timeout: float = 60.0) -> Path:
+             retries: int = RETRIES, timeout: float = 60.0, space_factor: int = 1) -> Path:
     """`url` into `dest` (via dest.part, resumed with an HTTP range from what it holds), size and checksum verified;
-    the .part is renamed only when complete. A mismatch removes the .part (the next run starts over)."""
+    the .part is renamed only when complete. A mismatch removes the .part (the next run starts over). Before a byte
+    is written, the size the server reports (times `space_factor`: an archive is unpacked beside itself) must fit
+    in the free space, or the download is refused as disk full."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     attempts = 0
@@ -410,6 +412,7 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
                     mode = "ab"
                 else:                                   # no range support (or a fresh start): from the beginning
                     total, have, mode = _total(resp, 0), 0, "wb"
+                _check_space(dataset, url, part.parent, ((total or have) - have) * space_factor)
                 progress = _Progress(f"{dataset} {dest.name}", total, have)
                 done = have
                 with open(part, mode) as f:
@@ -452,6 +455,14 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
                                        f"{sha256 or sha256_prefix + '...'}; the download was removed")
     os.replace(part, dest)
     return dest
+
+
+def _check_space(dataset: str, url: str, folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if needed > 0 and free < needed:
+        raise FetchError(dataset, url, f"disk full: {_fmt_bytes(free)} free under {folder}, about "
+                                       f"{_fmt_bytes(needed)} needed (archive + unpacked); free space, then re-run "
+                                       f"`{FETCH_COMMAND}`")
 
 
 def _total(resp, offset: int) -> int | None:
@@ -558,17 +569,13 @@ def fetch_dataset(d: Dataset, root: Path, mirror: str | None = None, retries: in
     prefix = d.name.replace("/", "__") + "-"
     for stale in stage.glob(prefix + "*"):              # left by a run killed while unpacking
         shutil.rmtree(stale, ignore_errors=True)
-    free_needed = (d.bytes or 0) * (2 if any(i["kind"] != "file" for i in d.fetch) else 1)
-    free = shutil.disk_usage(stage).free
-    if free_needed and free < free_needed:
-        raise FetchError(d.name, d.fetch[0]["url"], f"disk full: {_fmt_bytes(free)} free under {root / 'datasets'}, "
-                                                    f"about {_fmt_bytes(free_needed)} needed (archive + unpacked)")
     files = []
     for item in d.fetch:
         url = mirrored(item["url"], mirror)
         archive = downloads / PurePosixPath(urlparse(item["url"]).path).name
         if not archive.is_file():
-            download(d.name, url, archive, item.get("sha256", ""), item.get("sha256_prefix", ""), retries)
+            download(d.name, url, archive, item.get("sha256", ""), item.get("sha256_prefix", ""), retries,
+                     space_factor=1 if item["kind"] == "file" else 2)
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=stage))
         try:
             if item["kind"] == "file":          # verified under its .part name: renamed into place
