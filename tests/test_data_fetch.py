@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures import real_tree
-from fixtures.data_server import UNUSED, mini_manifest, mirror_of, serve
+from fixtures.data_server import UNUSED, miniature_mirror, serve
 from fixtures.project import committed, copy_project, run
 
 from clipfinetune.project import data, profile
@@ -37,15 +36,9 @@ PAPER = "harmoclip"                 # the README's example: its data is all down
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    base = tmp_path_factory.mktemp("data")
-    tree = base / "tree"
-    real_tree.build(tree)
-    manifest_path = mini_manifest(tree, base / "manifest.yaml")
-    manifest = data.load_manifest(manifest_path)
-    packed = mirror_of(manifest, tree, base / "mirror")
-    with serve(base / "mirror") as (url, server):
-        yield {"tree": tree, "manifest": manifest, "manifest_path": manifest_path, "packed": packed, "url": url,
-               "server": server, "mirror": base / "mirror"}
+    mirror = miniature_mirror(tmp_path_factory.mktemp("data"))
+    with serve(mirror["mirror"]) as (url, server):
+        yield {**mirror, "url": url, "server": server}
 
 
 def project_root(tmp_path: Path) -> Path:

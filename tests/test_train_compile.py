@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train_support import TinyClipModel, ToySource, config
+from test_train_support import clip_step_losses
 
-from clipfinetune.methods.clip import ClipMethod
-from clipfinetune.train import Trainer, loop
+from clipfinetune.train import loop
 
 # bf16 keeps 8 bits of mantissa (relative rounding 2^-8 ~ 0.4%); the graph may round the ~50k-param model's
 # activations at other points than eager does, and the difference compounds over the steps: 2% over 10 steps,
@@ -18,26 +17,11 @@ from clipfinetune.train import Trainer, loop
 BF16_RTOL = 2e-2
 
 
-def step_losses(compiled: bool) -> tuple[Trainer, list[float]]:
-    trainer = Trainer(ClipMethod(), TinyClipModel(), ToySource(n=40, batch_size=8),
-                      config(epochs=2, lr=1e-3, precision="bf16", compile=compiled))
-    losses, step = [], trainer.train_step
-
-    def recorded(micro):
-        values = step(micro)
-        losses.append(sum(float(v) for k, v in values.items() if k.startswith("loss_")))
-        return values
-
-    trainer.train_step = recorded
-    trainer.fit()
-    return trainer, losses
-
-
 def test_the_compiled_bf16_step_gives_the_eager_losses_within_bf16_rounding(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(loop, "COMPILE_BACKEND", "aot_eager")
-    eager, eager_losses = step_losses(False)
-    compiled, compiled_losses = step_losses(True)
+    eager, eager_losses = clip_step_losses(False, precision="bf16")
+    compiled, compiled_losses = clip_step_losses(True, precision="bf16")
     assert isinstance(compiled.ddp, torch._dynamo.eval_frame.OptimizedModule)
     assert compiled.step == eager.step == 10 and len(compiled_losses) == len(eager_losses) == 10
     assert eager_losses[-1] < eager_losses[0] - 0.05                      # it trains: the tolerance means something

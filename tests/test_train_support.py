@@ -79,3 +79,23 @@ def fixed_batch(n=8, epoch=0, seed=0) -> dict:
 def config(**overrides) -> TrainConfig:
     base = {"epochs": 1, "batch_size": 8, "lr": 1e-3, "warmup": 0, "wd": 0.1, "grad_clip": 1.0, "seed": 0}
     return TrainConfig(**{**base, **overrides})
+
+
+def clip_step_losses(compiled: bool, **overrides):
+    """A 10-step CLIP fit of TinyClipModel (2 epochs of 40 toy examples, batch 8) and each step's summed loss; the
+    compile tests compare the eager and the compiled run's lists."""
+    from clipfinetune.methods.clip import ClipMethod
+    from clipfinetune.train import Trainer
+
+    trainer = Trainer(ClipMethod(), TinyClipModel(), ToySource(n=40, batch_size=8),
+                      config(epochs=2, lr=1e-3, compile=compiled, **overrides))
+    losses, step = [], trainer.train_step
+
+    def recorded(micro):
+        values = step(micro)
+        losses.append(sum(float(v) for k, v in values.items() if k.startswith("loss_")))
+        return values
+
+    trainer.train_step = recorded
+    trainer.fit()
+    return trainer, losses

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+from clipfinetune.project.formatting import fmt_bytes
+
 MANIFEST = Path(__file__).with_name("datasets.yaml")
 MIRROR_ENV = "CLIPFINETUNE_DATA_MIRROR"
 MANIFEST_ENV = "CLIPFINETUNE_DATA_MANIFEST"   # another manifest (the tests' miniature counts)
@@ -305,16 +307,6 @@ def status(d: Dataset, root: Path, check: bool = False) -> Status:
 
 
 # ------------------------------------------------------------------------------------------------ the table
-def _fmt_bytes(n) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return ""
-
-
 def table(needed: dict[str, list[str]], unknown: list[tuple], manifest: dict[str, Dataset], root: Path,
           check: bool = False) -> tuple[str, list[Status]]:
     rows, statuses = [], []
@@ -324,8 +316,8 @@ def table(needed: dict[str, list[str]], unknown: list[tuple], manifest: dict[str
         statuses.append(st)
         how = "fetch" if d.fetchable else "manual"
         keys = needed[name]
-        rows.append([name, st.state, how, _fmt_bytes(st.disk_bytes),
-                     _fmt_bytes(st.download_bytes) if st.state != "present" else "-",
+        rows.append([name, st.state, how, fmt_bytes(st.disk_bytes),
+                     fmt_bytes(st.download_bytes, unknown="?") if st.state != "present" else "-",
                      keys[0] + (f" (+{len(keys) - 1} more)" if len(keys) > 1 else "")])
     head = ["dataset", "state", "how", "on disk", "to download", "read by"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -358,7 +350,7 @@ def table(needed: dict[str, list[str]], unknown: list[tuple], manifest: dict[str
     fetchable = [s for s in todo if manifest[s.name].fetchable]
     known = [s.download_bytes for s in fetchable if s.download_bytes]
     lines.append(f"{len(statuses) - len(todo)} of {len(statuses)} datasets present"
-                 + (f"; {len(fetchable)} to fetch ({_fmt_bytes(sum(known))}"
+                 + (f"; {len(fetchable)} to fetch ({fmt_bytes(sum(known))}"
                     + (" + unknown sizes" if len(known) < len(fetchable) else "") + f"): {FETCH_COMMAND}"
                     if fetchable else "")
                  + (f"; {len(todo) - len(fetchable)} manual" if len(todo) > len(fetchable) else ""))
@@ -388,8 +380,8 @@ class _Progress:
         if self.total and rate > 0:
             left = (self.total - done) / rate
             eta = f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
-        of = f" of {_fmt_bytes(self.total)} ({100 * done / self.total:.0f}%)" if self.total else ""
-        print(f"  {self.label}: {_fmt_bytes(done)}{of}, {_fmt_bytes(rate)}/s{eta}", file=self.out, flush=True)
+        of = f" of {fmt_bytes(self.total)} ({100 * done / self.total:.0f}%)" if self.total else ""
+        print(f"  {self.label}: {fmt_bytes(done)}{of}, {fmt_bytes(rate)}/s{eta}", file=self.out, flush=True)
 
 
 def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix: str = "",
@@ -460,8 +452,8 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
 def _check_space(dataset: str, url: str, folder: Path, needed: int) -> None:
     free = shutil.disk_usage(folder).free
     if needed > 0 and free < needed:
-        raise FetchError(dataset, url, f"disk full: {_fmt_bytes(free)} free under {folder}, about "
-                                       f"{_fmt_bytes(needed)} needed (archive + unpacked); free space, then re-run "
+        raise FetchError(dataset, url, f"disk full: {fmt_bytes(free)} free under {folder}, about "
+                                       f"{fmt_bytes(needed)} needed (archive + unpacked); free space, then re-run "
                                        f"`{FETCH_COMMAND}`")
 
 

@@ -11,10 +11,9 @@ import shutil
 
 import pytest
 import torch
-from test_train_support import TinyClipModel, ToySource, config
+from test_train_support import clip_step_losses, config
 
-from clipfinetune.methods.clip import ClipMethod
-from clipfinetune.train import Trainer, loop
+from clipfinetune.train import loop
 
 # Inductor fuses and reorders float reductions (aot_eager may decompose ops), so the bits differ from eager; over
 # these 10 steps of a ~50k-param CLIP at lr 1e-3 the differences stay at float32 rounding (~1e-6 relative). 1e-4
@@ -23,29 +22,14 @@ from clipfinetune.train import Trainer, loop
 LOSS_RTOL = 1e-4
 
 
-def fit_losses(compile_model: bool) -> tuple[Trainer, list[float]]:
-    trainer = Trainer(ClipMethod(), TinyClipModel(), ToySource(n=40, batch_size=8),
-                      config(epochs=2, lr=1e-3, compile=compile_model))
-    losses, step = [], trainer.train_step
-
-    def recorded(micro):
-        values = step(micro)
-        losses.append(sum(float(v) for k, v in values.items() if k.startswith("loss_")))
-        return values
-
-    trainer.train_step = recorded
-    trainer.fit()
-    return trainer, losses
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_run_takes_the_same_steps_with_the_same_losses(backend, monkeypatch):
     if backend == "inductor" and not (shutil.which("gcc") or shutil.which("cc")):
         pytest.skip("inductor on the CPU needs a C compiler")
     torch._dynamo.reset()
     monkeypatch.setattr(loop, "COMPILE_BACKEND", backend)
-    eager, eager_losses = fit_losses(False)
-    compiled, compiled_losses = fit_losses(True)
+    eager, eager_losses = clip_step_losses(False)
+    compiled, compiled_losses = clip_step_losses(True)
     assert isinstance(compiled.ddp, torch._dynamo.eval_frame.OptimizedModule)
     assert not isinstance(eager.ddp, torch._dynamo.eval_frame.OptimizedModule)
     assert compiled.step == eager.step == compiled.total_steps == 10

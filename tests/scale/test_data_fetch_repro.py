@@ -13,8 +13,7 @@ import shutil
 import subprocess
 
 import pytest
-from fixtures import real_tree
-from fixtures.data_server import mini_manifest, mirror_of, serve
+from fixtures.data_server import miniature_mirror, serve
 from fixtures.project import RAN, copy_project, env, run, write_params
 
 from clipfinetune.project import data
@@ -42,10 +41,8 @@ def fetched_and_run(tmp_path_factory):
     from clipfinetune.models import export_model, load_model
 
     base = tmp_path_factory.mktemp("fetch-repro")
-    tree = base / "tree"
-    real_tree.build(tree)
-    manifest_path = mini_manifest(tree, base / "manifest.yaml")
-    mirror_of(data.load_manifest(manifest_path), tree, base / "mirror")
+    mirror = miniature_mirror(base)
+    tree, manifest_path = mirror["tree"], mirror["manifest_path"]
     repo = copy_project(base / "project")
     torch.manual_seed(0)
     export_model(load_model("cft-tiny-vit"), repo / WEIGHTS)

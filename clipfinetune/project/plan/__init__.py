@@ -39,6 +39,7 @@ from pathlib import Path
 
 from clipfinetune import compute as rules
 from clipfinetune.keys import BothSpellings, respell
+from clipfinetune.project.formatting import fmt_bytes
 from clipfinetune.project.plan.checks import (
     _declared_params,
     _missing_inputs,
@@ -52,7 +53,6 @@ from clipfinetune.project.plan.common import (
     Hardware,
     Refusal,
     StageRow,
-    _fmt_bytes,
     _fmt_int,
     _fmt_seconds,
     _get,
@@ -235,8 +235,8 @@ def _cells(r: dict) -> list[str]:
         units = r["coverage"] or "-"
     items = f"{r['items']:,} {r['items_what']}" if r["items"] is not None else "-"
     device = r["device"] + (f" {','.join(r['gpus'])}" if r["gpus"] else "")
-    out = _fmt_bytes(r["outputs_bytes"]) + (" est." if r["outputs_note"].startswith("estimated") else "")
-    return [r["stage"], device, str(r["ranks"]), batch, steps, units, items, _fmt_bytes(r["inputs_bytes"]), out,
+    out = fmt_bytes(r["outputs_bytes"]) + (" est." if r["outputs_note"].startswith("estimated") else "")
+    return [r["stage"], device, str(r["ranks"]), batch, steps, units, items, fmt_bytes(r["inputs_bytes"]), out,
             _fmt_int(r["llm_requests"]),
             (f"{_fmt_seconds(r['seconds'])} {r['basis']}" if r["seconds"] is not None else "unknown")
             if r["kind"] != "export" else "seconds"]
@@ -263,7 +263,7 @@ def render(plan: dict) -> str:
     disk = plan["disk"]
     copies = "once (linked from the cache)" if any(k in disk["cache_type"] for k in ("hardlink", "symlink")) else \
         "up to twice (workspace and cache: cache.type " + disk["cache_type"] + ")"
-    lines.append(f"disk: outputs {_fmt_bytes(disk['outputs_bytes'])} as built or estimated "
+    lines.append(f"disk: outputs {fmt_bytes(disk['outputs_bytes'])} as built or estimated "
                  f"({disk['stages_unsized']} stages not sized), held {copies}")
     lines += [f"  time of {r['stage']} ({r['basis']}): {r['time_source']}" for r in plan["stages"]
               if r["seconds"] is not None or r["time_source"].startswith("unknown:")]

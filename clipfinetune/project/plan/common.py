@@ -120,16 +120,6 @@ def _producing(stages: list, base: str) -> list[str]:
     return [s.name for s in stages if s.name.split("@", 1)[0] == base]
 
 
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return "-"
-
-
 def _fmt_seconds(s: float | None) -> str:
     if s is None:
         return "unknown"
