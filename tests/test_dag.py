@@ -2,8 +2,9 @@
 user's three commands exactly as the README writes them: `dvc repro`, `dvc exp run -S loss.lambda_l=0.2`,
 `dvc metrics diff`.
 
-One module-scoped fixture runs them once (every stage, with five of the runs: clip, fsc_clip and its ablation
-fsc_lhn_only, which inherits lambda_L, degla and the mix custom, so `make test` stays short;
+One module-scoped fixture runs them once (every stage, with four of the runs: clip, fsc_clip and its ablation
+fsc_lhn_only, which inherits lambda_L, and the mix custom, whose fsc_clip term has its own weight, so `make test`
+stays short;
 tests/scale/test_dag_experiment.py runs all 12 with the report's claims); the tests read what it recorded (stage
 `evalsets` is always changed: it re-lists the evaluation-set files on every repro, and its unchanged output re-runs
 nothing):
@@ -44,7 +45,7 @@ def _lock(repo: Path) -> dict:
     return yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
 
 
-RUNS = ("clip", "fsc_clip", "fsc_lhn_only", "degla", "custom")
+RUNS = ("clip", "fsc_clip", "fsc_lhn_only", "custom")
 LAMBDA_L_RUNS = ("fsc_clip", "fsc_lhn_only")      # the runs of RUNS whose effective settings read loss.lambda_l
 CARD = (("dvc", "repro"), ("dvc", "exp", "run", "-S", "loss.lambda_l=0.2"), ("dvc", "metrics", "diff"))
 
@@ -143,8 +144,8 @@ def test_every_runs_curves_render_in_plots_show(dag):
 
 
 def test_exp_run_of_loss_lambda_l_reruns_exactly_the_runs_that_use_it_their_evals_and_report(dag):
-    """`dvc exp run -S loss.lambda_l=0.2`: fsc_clip and fsc_lhn_only (its ablation inherits lambda_L) re-train; clip,
-    degla and the mix (whose weights are its own terms) do not."""
+    """`dvc exp run -S loss.lambda_l=0.2`: fsc_clip and fsc_lhn_only (its ablation inherits lambda_L) re-train; clip
+    and the mix (whose weights are its own terms) do not."""
     assert_sweep_reran_exactly(dag, LAMBDA_L_RUNS)
 
 

@@ -20,6 +20,7 @@ import filecmp
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,35 @@ def test_a_dropped_connection_resumes_with_a_range_in_the_same_run_and_in_the_ne
     data.fetch_dataset(d, tmp_path, world["url"])
     assert server.requests[-1] == (path, f"bytes={size // 2}-")
     assert data.status(d, tmp_path).state == "present" and not part.exists()
+
+
+def test_a_file_replaced_on_the_server_since_the_part_began_is_fetched_whole(world, tmp_path):
+    """The .part keeps the ETag its bytes came with and a resume sends it as If-Range: a source that replaced the
+    archive meanwhile sends the whole new file, so the result is never old bytes followed by new ones."""
+    mirror = tmp_path / "mirror"
+    shutil.copytree(world["mirror"], mirror)
+    path = "/images.cocodataset.org/zips/val2017.zip"
+    archive = mirror / path.lstrip("/")
+    d, root = _only(world, "coco_val2017"), tmp_path / "root"
+    with serve(mirror) as (url, server):
+        server.drop_once.add(path)
+        with pytest.raises(data.FetchError, match="truncated"):
+            data.fetch_dataset(d, root, url, retries=0)
+        assert server.if_range == [None]            # a fresh start asks for the whole file
+        with zipfile.ZipFile(archive) as z:         # the source re-packs: every member's bytes changed
+            members = {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+        replaced = {name: body + b"\0" for name, body in members.items()}
+        with zipfile.ZipFile(archive, "w") as z:
+            for name, body in replaced.items():
+                z.writestr(name, body)
+        server.requests.clear()
+        server.if_range.clear()
+        data.fetch_dataset(d, root, url)
+    (ranged,) = server.requests
+    assert ranged[1].startswith("bytes=") and server.if_range[0].startswith('"')   # the rest, if unchanged
+    for name, body in replaced.items():
+        assert (root / "datasets/coco" / name).read_bytes() == body, name
+    assert not list((root / data.DOWNLOADS).iterdir())
 
 
 def test_a_corrupt_archive_is_refused_by_name_and_complete_data_stays(world, tmp_path):

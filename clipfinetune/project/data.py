@@ -392,19 +392,27 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
     in the free space, or the download is refused as disk full."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
+    validator = part.with_name(part.name + ".validator")   # the ETag / Last-Modified the .part's bytes came with
     attempts = 0
     total = None
     while True:
         have = part.stat().st_size if part.exists() else 0
-        req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        headers = {}
+        if have:
+            headers["Range"] = f"bytes={have}-"
+            if validator.is_file():             # the rest only if the file is unchanged, else the whole new file
+                headers["If-Range"] = validator.read_text()
+        req = urllib.request.Request(url, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 if have and resp.status == 206:
                     total = _total(resp, have)
                     mode = "ab"
-                else:                                   # no range support (or a fresh start): from the beginning
+                else:                                   # no range support, a changed file or a fresh start
                     total, have, mode = _total(resp, 0), 0, "wb"
                 _check_space(dataset, url, part.parent, ((total or have) - have) * space_factor)
+                if mode == "wb":
+                    _write_validator(validator, resp)
                 progress = _Progress(f"{dataset} {dest.name}", total, have)
                 done = have
                 with open(part, mode) as f:
@@ -440,6 +448,7 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
             print(f"  {dataset}: {size} of {total} bytes, the connection closed early; resuming", file=sys.stderr)
             continue
         break
+    validator.unlink(missing_ok=True)
     digest = _sha256(part) if sha256 or sha256_prefix else ""
     if sha256 and digest != sha256 or sha256_prefix and not digest.startswith(sha256_prefix):
         part.unlink()
@@ -447,6 +456,16 @@ def download(dataset: str, url: str, dest: Path, sha256: str = "", sha256_prefix
                                        f"{sha256 or sha256_prefix + '...'}; the download was removed")
     os.replace(part, dest)
     return dest
+
+
+def _write_validator(path: Path, resp) -> None:
+    """A strong ETag, else Last-Modified (RFC 9110 If-Range takes either); none: the resume asks for a plain range."""
+    etag = resp.headers.get("ETag", "")
+    value = etag if etag and not etag.startswith("W/") else resp.headers.get("Last-Modified", "")
+    if value:
+        path.write_text(value)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _check_space(dataset: str, url: str, folder: Path, needed: int) -> None:
