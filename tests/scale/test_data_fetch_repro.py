@@ -81,3 +81,4 @@ def test_the_four_commands_bring_an_empty_datasets_folder_to_a_trained_and_evalu
     assert not (r["repo"] / "data/sample").exists()
     assert (r["repo"] / "datasets/.fetched/coco_train2017.json").is_file()
     assert os.path.isdir(r["repo"] / "datasets/coco/annotations/panoptic_val2017")
+    assert not (r["repo"] / "datasets/.tmp").exists() or not list((r["repo"] / "datasets/.tmp").iterdir())
