@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+from clipfinetune.keys import lookup
 from clipfinetune.project.formatting import fmt_bytes
 
 MANIFEST = Path(__file__).with_name("datasets.yaml")
@@ -122,12 +123,7 @@ def load_manifest(path=MANIFEST) -> dict[str, Dataset]:
 
 # ------------------------------------------------------------------------------------------------ what params read
 def _get(params: dict, key: str):
-    node = params
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+    return lookup(params, key, None)
 
 
 def needed_paths(params: dict) -> list[tuple[str, str]]:

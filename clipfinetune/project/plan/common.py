@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from clipfinetune.keys import lookup
+
 LONG_READERS = {"docci", "dci", "urban1k", "sharegpt4v"}
 
 
@@ -77,12 +79,7 @@ class Hardware:
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _get(params: dict, key: str, default=None):
-    node = params
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
+    return lookup(params, key, default)
 
 
 def _has(params: dict, key: str) -> bool:
