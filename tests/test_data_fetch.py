@@ -219,6 +219,42 @@ def test_a_file_replaced_on_the_server_since_the_part_began_is_fetched_whole(wor
     assert not list((root / data.DOWNLOADS).iterdir())
 
 
+def test_a_second_fetch_of_a_dataset_waits_for_the_first_and_fetches_nothing_again(world, tmp_path):
+    """Two fetches into one datasets/ folder (two shells, nodes on a shared file system): the second says who holds
+    the dataset's lock, waits, then finds it present and downloads nothing of it."""
+    import subprocess
+    import sys
+
+    root = project_root(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+from pathlib import Path
+from clipfinetune.project import data
+d = data.load_manifest({str(world["manifest_path"])!r})["coco_val2017"]
+with data.fetch_lock(d, Path({str(root)!r})):
+    print("held", flush=True)
+    sys.stdin.read()                                  # until the test has seen the other fetch wait
+    data.fetch_dataset(d, Path({str(root)!r}), {world["url"]!r})
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    world["server"].requests.clear()
+    env = {**os.environ, data.MIRROR_ENV: world["url"], data.MANIFEST_ENV: str(world["manifest_path"])}
+    second = subprocess.Popen(["clipfinetune", "data", PAPER, "--fetch"], cwd=root, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    waited = []
+    for line in second.stderr:                        # the second fetch reaches coco_val2017 and waits
+        if "coco_val2017: being fetched by pid" in line:
+            waited.append(line)
+            break
+    holder.stdin.close()
+    assert holder.wait(timeout=120) == 0
+    out, _ = second.communicate(timeout=300)
+    assert waited and f"pid {holder.pid} on " in waited[0], waited
+    assert rows(out)["coco_val2017"] == "present"
+    val2017 = [r for r in world["server"].requests if r[0].endswith("/zips/val2017.zip")]
+    assert len(val2017) == 1                          # the holder's download only
+
+
 def test_a_corrupt_archive_is_refused_by_name_and_complete_data_stays(world, tmp_path):
     bad = tmp_path / "bad-mirror"
     shutil.copytree(world["mirror"], bad)

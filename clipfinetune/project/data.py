@@ -19,12 +19,15 @@ where https://host/path is read from URL/host/path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import fcntl
 import hashlib
 import http.client
 import json
 import os
 import shutil
+import socket
 import sys
 import tarfile
 import tempfile
@@ -567,6 +570,30 @@ def _move_into_place(tmp: Path, root: Path) -> list[str]:
     return moved
 
 
+@contextlib.contextmanager
+def fetch_lock(d: Dataset, root: Path):
+    """One fetch of a dataset at a time into one datasets/ folder (two shells, or several nodes on a shared file
+    system): datasets/.fetched/<dataset>.lock, held with flock; a second fetch says who holds it and waits."""
+    path = Path(root) / STAMPS / f"{d.name.replace('/', '__')}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            print(f"  {d.name}: being fetched by {holder}; waiting for it to finish", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def fetch_dataset(d: Dataset, root: Path, mirror: str | None = None, retries: int = RETRIES) -> dict:
     """Download, verify and unpack every file of `d`; on success write its stamp. Raises FetchError."""
     root = Path(root)
@@ -670,9 +697,11 @@ def main(argv=None) -> int:
         d = manifest[st.name]
         if st.state == "present" or not d.fetchable:
             continue
-        print(f"fetching {d.name}: {', '.join(i['url'] for i in d.fetch)}", file=sys.stderr)
+        print(f"fetching {d.name}: {', '.join(i['url'] for i in d.fetch)}", file=sys.stderr, flush=True)
         try:
-            fetch_dataset(d, root, args.mirror)
+            with fetch_lock(d, root):
+                if status(d, root).state != "present":     # else another fetch completed it while this one waited
+                    fetch_dataset(d, root, args.mirror)
         except FetchError as e:
             failed.append(e)
             print(f"ERROR {e}", file=sys.stderr)
