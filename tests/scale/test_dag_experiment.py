@@ -103,6 +103,13 @@ def dag(tmp_path_factory):
     rec["metrics_diff"] = json.loads(_run(repo, "dvc", "metrics", "diff", "--json", "HEAD").stdout)
     rec["exp_diff"] = json.loads(_run(repo, "dvc", "exp", "diff", "--json", "HEAD", "l02").stdout)
 
+    # research/mulclip_terms.py on this workspace, before a method the checkout's registry does not know is added
+    from research import mulclip_terms
+
+    rec["mulclip_probe"] = mulclip_terms.main(["--root", str(repo)])
+    rec["mulclip_train"] = json.loads((repo / "dvclive" / "train" / "mulclip" / "data.json").read_text())
+    rec["epochs"] = yaml.safe_load((repo / "params.yaml").read_text())["train"]["epochs"]
+
     # a new method, as DEVELOPERS.md adds one: its two modules, its loss weight, its run; nothing else is edited
     add_throwaway_method(repo)
     rec["status_new_method"] = json.loads(_run(repo, "dvc", "status", "--json").stdout)
@@ -144,14 +151,10 @@ def test_metrics_diff_changes_only_those_models_and_summary(dag):
 
 
 def test_the_mulclip_terms_probe_follows_every_step_of_the_run(dag):
-    """research/mulclip_terms.py on the baseline's workspace: one record per optimiser step of train@mulclip, each
+    """research/mulclip_terms.py on the workspace after the sweep (which leaves train@mulclip as it was), run by the
+    fixture before it adds a method this checkout does not know: one record per optimiser step of train@mulclip, each
     with the three term groups' backbone gradients, cosines in [-1, 1] and a finite share of the global step."""
-    from research import mulclip_terms
-
-    repo = dag["repo"]
-    data = json.loads((repo / "dvclive" / "train" / "mulclip" / "data.json").read_text())
-    epochs = yaml.safe_load((repo / "params.yaml").read_text())["train"]["epochs"]
-    res = mulclip_terms.main(["--root", str(repo)])
+    data, epochs, res = dag["mulclip_train"], dag["epochs"], dag["mulclip_probe"]
     assert res["steps"] == len(res["records"]) == data["steps"] == -(-epochs * data["units"] // data["global_batch"])
     for r in res["records"]:
         assert set(r["grad_norm"]) == {"global", "word", "sub"} and all(v > 0 for v in r["grad_norm"].values())
