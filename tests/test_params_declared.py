@@ -24,7 +24,6 @@ Dict-valued declarations allowed (each is ONE setting that one stage family read
 from __future__ import annotations
 
 import inspect
-import shutil
 from pathlib import Path
 
 from stages import _common
@@ -32,6 +31,7 @@ from stages import run_settings as run_settings_stage
 
 import pytest
 import yaml
+from fixtures.project import dvc_expanded_stages
 
 from clipfinetune.keys import lookup
 from clipfinetune.methods import get_method
@@ -51,20 +51,9 @@ def _lookup(key: str):
 @pytest.fixture(scope="module")
 def expanded(tmp_path_factory) -> dict[str, dict]:
     """stage name -> its declared params.yaml keys, deps and outs, as DVC itself expands dvc.yaml."""
-    from dvc.repo import Repo
-
-    tmp = tmp_path_factory.mktemp("declared")
-    for name in ("dvc.yaml", "params.yaml"):
-        shutil.copy(ROOT / name, tmp / name)
-    Repo.init(str(tmp), no_scm=True)
-    out = {}
-    with Repo(str(tmp)) as repo:
-        for stage in repo.index.stages:
-            keys = [k for dep in stage.params for k in dep.params]
-            assert all(Path(dep.def_path).name == "params.yaml" for dep in stage.params), stage.name
-            out[stage.name] = {"params": sorted(set(keys)), "cmd": stage.cmd,
-                               "deps": [d.def_path for d in stage.deps if d.def_path != "params.yaml"],
-                               "outs": sorted(o.def_path for o in stage.outs)}
+    out = dvc_expanded_stages(tmp_path_factory.mktemp("declared"))
+    for name, stage in out.items():
+        assert stage["params_files"] <= {"params.yaml"}, name
     return out
 
 

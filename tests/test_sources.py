@@ -2,11 +2,11 @@
 for `shards`) and depends on each of its paths in dvc.yaml, so an edited corpus file re-runs what it feeds."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.project import dvc_expanded_stages
 
 from clipfinetune.data.readers import READERS, reader, source_paths
 from clipfinetune.keys import lookup
@@ -30,16 +30,8 @@ def _value(key: str):
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory) -> dict[str, dict]:
     """stage -> {"params": declared keys, "deps": dependency paths}, as DVC expands dvc.yaml."""
-    from dvc.repo import Repo
-
-    tmp = tmp_path_factory.mktemp("sources")
-    for name in ("dvc.yaml", "params.yaml"):
-        shutil.copy(ROOT / name, tmp / name)
-    Repo.init(str(tmp), no_scm=True)
-    with Repo(str(tmp)) as repo:
-        return {s.name: {"params": {k for dep in s.params for k in dep.params},
-                         "deps": {d.def_path for d in s.deps if d.def_path != "params.yaml"}}
-                for s in repo.index.stages}
+    return {name: {"params": set(s["params"]), "deps": set(s["deps"])}
+            for name, s in dvc_expanded_stages(tmp_path_factory.mktemp("sources")).items()}
 
 
 def test_every_source_names_a_known_reader_with_its_own_keys():
