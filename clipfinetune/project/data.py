@@ -125,10 +125,6 @@ def load_manifest(path=MANIFEST) -> dict[str, Dataset]:
 
 
 # ------------------------------------------------------------------------------------------------ what params read
-def _get(params: dict, key: str):
-    return lookup(params, key, None)
-
-
 def needed_paths(params: dict) -> list[tuple[str, str]]:
     """(params key, path) of every file or folder under the project the configuration reads: every source's paths
     (and `exclude` files), every configured evaluation set, SAM's checkpoint and LISM's matcher when their stages
@@ -136,9 +132,9 @@ def needed_paths(params: dict) -> list[tuple[str, str]]:
     from clipfinetune.data.readers import reader
 
     out = []
-    for name in sorted(_get(params, "sources") or {}):   # every source, as validate checks and dvc.yaml's shards
-        # depends on coco's and docci's paths whatever the recipe trains on
-        spec = (_get(params, "sources") or {}).get(name)
+    sources = lookup(params, "sources", None) or {}
+    for name in sorted(sources):   # every source, as validate checks and dvc.yaml's shards depends on coco's and
+        spec = sources.get(name)   # docci's paths whatever the recipe trains on
         if not spec:
             continue
         for key in reader(spec["reader"]).PATHS:
@@ -146,14 +142,14 @@ def needed_paths(params: dict) -> list[tuple[str, str]]:
                 out.append((f"sources.{name}.{key}", str(spec[key])))
         for k, path in enumerate(spec.get("exclude") or []):
             out.append((f"sources.{name}.exclude[{k}]", str(path)))
-    for task, sets in (_get(params, "eval.evalsets") or {}).items():
+    for task, sets in (lookup(params, "eval.evalsets", None) or {}).items():
         for set_name, cfg in (sets or {}).items():
             for key, value in _leaves(cfg, f"eval.evalsets.{task}.{set_name}"):
                 out.append((key, value))
-    if _get(params, "segments.sources") and _get(params, "segments.sam_checkpoint"):
-        out.append(("segments.sam_checkpoint", str(_get(params, "segments.sam_checkpoint"))))
-    if _get(params, "lism.sources") and _get(params, "lism.model"):
-        out.append(("lism.model", str(_get(params, "lism.model"))))
+    if lookup(params, "segments.sources", None) and lookup(params, "segments.sam_checkpoint", None):
+        out.append(("segments.sam_checkpoint", str(lookup(params, "segments.sam_checkpoint", None))))
+    if lookup(params, "lism.sources", None) and lookup(params, "lism.model", None):
+        out.append(("lism.model", str(lookup(params, "lism.model", None))))
     return [(k, os.path.normpath(v)) for k, v in out if "/" in v and not v.startswith(("data/", "models/"))]
 
 
