@@ -49,8 +49,9 @@ test-real: setup
 	source $(BIN)/activate && python -m pytest tests/real
 
 # multi-rank / multi-node runs of the stages (gloo on CPU) and real-scale rehearsals (tests/scale/, not collected by
-# `make test`): minutes each; .ci/run calls it. Two workers, each running one module at a time: most of a module's time is
-# DVC and stage start-up on one core, so two side by side take about 0.6 of the serial time on 2 cores (benchmarks/README.md)
+# `make test`): minutes each; .ci/run calls it. Two workers, each running one module at a time: most of a
+# module's time is DVC and stage start-up on one core, so two side by side take about 0.6 of the serial time on
+# 2 cores (benchmarks/README.md)
 .PHONY: test-scale
 test-scale: setup
 	source $(BIN)/activate && python -m pytest tests/scale $(XDIST)
